@@ -1,0 +1,137 @@
+"""The `ninfer` command: convert, synth, inspect, verify.
+
+Results go to stdout, progress and errors to stderr; an error is one line and a non-zero exit code
+(2 for bad input to convert / synth and bad flags, 1 for an unsound artifact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import ninfer
+from ninfer.errors import NinferError
+
+EXIT_UNSOUND = 1
+EXIT_BAD_INPUT = 2
+
+
+def _artifact_id(text: str) -> bytes:
+    from ninfer.artifact.framing import parse_artifact_id
+
+    try:
+        return parse_artifact_id(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    from ninfer.artifact.framing import DEFAULT_PART_CAP
+
+    parser.add_argument("--out", required=True, type=Path, help="the .ninfer file to write")
+    parser.add_argument("--artifact-id", type=_artifact_id,
+                        help="fixed 16-byte artifact id (32 hex digits or a UUID): makes the output reproducible")
+    parser.add_argument("--part-size", type=_positive_int, default=DEFAULT_PART_CAP,
+                        help="largest file in bytes; bigger artifacts continue in NAME.ninfer.part-NNNN files "
+                             "(default %(default)s)")
+    parser.add_argument("--device", default="cpu", help="where to quantize: cpu or cuda (default cpu)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ninfer.convert.recipes import RECIPES
+
+    parser = argparse.ArgumentParser(prog="ninfer", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"ninfer {ninfer.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    convert = commands.add_parser("convert", help="convert a Hugging Face Qwen3.5 checkpoint folder")
+    convert.add_argument("--model", required=True, type=Path, help="the checkpoint folder (config.json, safetensors)")
+    convert.add_argument("--recipe", required=True, choices=RECIPES, help="how to store the weights")
+    convert.add_argument("--tokenizer", type=Path, help="take tokenizer.json / tokenizer_config.json / the chat "
+                                                        "template from this folder")
+    convert.add_argument("--name", help="model name recorded in the artifact (default: the folder's name)")
+    _add_output_flags(convert)
+
+    synth = commands.add_parser("synth", help="a random-weight artifact at a preset's real shapes")
+    from ninfer.convert.synth import PRESETS
+
+    synth.add_argument("--preset", required=True, choices=list(PRESETS))
+    synth.add_argument("--recipe", required=True, choices=RECIPES)
+    synth.add_argument("--seed", type=int, default=0)
+    _add_output_flags(synth)
+
+    inspect = commands.add_parser("inspect", help="components, configs, objects and totals of an artifact")
+    inspect.add_argument("file", type=Path)
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+    verify = commands.add_parser("verify", help="check structure, SHA256SUMS and that every object decodes")
+    verify.add_argument("file", type=Path)
+    verify.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "convert":
+        from ninfer.convert.checkpoint import convert_checkpoint
+
+        report = convert_checkpoint(args.model, args.recipe, args.out, tokenizer_dir=args.tokenizer, name=args.name,
+                                    artifact_id=args.artifact_id, part_cap=args.part_size, device=args.device,
+                                    quiet=args.quiet)
+        _print_written(report)
+        return 0
+    if args.command == "synth":
+        from ninfer.convert.synth import synth_artifact
+
+        report = synth_artifact(args.preset, args.recipe, args.out, seed=args.seed, device=args.device,
+                                artifact_id=args.artifact_id, part_cap=args.part_size, quiet=args.quiet)
+        _print_written(report)
+        return 0
+    from ninfer.artifact.inspect import format_summary, summarize, verify
+    from ninfer.artifact.reader import Artifact
+
+    with Artifact.open(args.file) as artifact:
+        if args.command == "inspect":
+            summary = summarize(artifact)
+            print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
+            return 0
+        report = verify(artifact, args.quiet)
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if not report.ok:
+        for problem in report.problems:
+            print(f"{args.file}: {problem}", file=sys.stderr)
+        return EXIT_UNSOUND
+    print(f"{args.file}: OK ({len(artifact.objects)} objects)")
+    return 0
+
+
+def _print_written(report: dict) -> None:
+    total = sum(f["bytes"] for f in report["files"])
+    names = ", ".join(f["name"] for f in report["files"])
+    print(f"wrote {names}: {total:,d} bytes, recipe {report['recipe']}, {len(report['tensors'])} tensors, "
+          f"{report['seconds']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except NinferError as exc:
+        print(f"ninfer {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_UNSOUND if args.command in ("inspect", "verify") else EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("ninfer: interrupted", file=sys.stderr)
+        return 130

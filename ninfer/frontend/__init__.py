@@ -1,0 +1,1 @@
+"""The model frontend: tokenizer and chat-template resources that an artifact embeds."""
