@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check structure, SHA256SUMS and that every object decodes")
     verify.add_argument("file", type=Path)
     verify.add_argument("--quiet", action="store_true", help="no progress bars")
+    verify.add_argument("--device", default="cpu", help="where to decode: cpu or cuda (default cpu)")
     return parser
 
 
@@ -107,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
             summary = summarize(artifact)
             print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
             return 0
-        report = verify(artifact, args.quiet)
+        report = verify(artifact, args.quiet, args.device)
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
     if not report.ok:

@@ -220,9 +220,8 @@ def test_report_sums_and_resources(checkpoints, tmp_path):
     for entry in report["files"]:
         assert sums[entry["name"]] == hashlib.sha256((tmp_path / entry["name"]).read_bytes()).hexdigest()
     with open_artifact(out) as artifact:
-        for role in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        for role in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
             assert artifact.component_resource("text", role) == (folder / role).read_bytes()
-        assert artifact.component_resource("text", "chat_template.jinja") == (folder / "chat_template.jinja").read_bytes()
         assert artifact.directory.metadata["architecture"] == "Qwen3_5ForConditionalGeneration"
         config = artifact.components["text"]["config"]
         assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
@@ -315,5 +314,9 @@ def test_bad_flags_are_rejected(checkpoints, tmp_path, capsys):
     assert exit_info.value.code == 2
     assert main(["convert", "--model", str(folder), "--recipe", "q4", "--out", str(tmp_path / "m.bin")]) == 2
     assert "must end in .ninfer" in capsys.readouterr().err
-    assert main(["convert", "--model", str(tmp_path / "nope"), "--recipe", "q4", "--out", str(tmp_path / "m.ninfer")]) == 2
+    missing = tmp_path / "nope"
+    assert main(["convert", "--model", str(missing), "--recipe", "q4", "--out", str(tmp_path / "m.ninfer")]) == 2
     assert "not a folder" in capsys.readouterr().err
+    assert main(["convert", "--model", str(folder), "--recipe", "q4", "--out", str(tmp_path / "m.ninfer"),
+                 "--device", "tpu"]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ninfer.artifact.checksums import hash_files, read_sums
 from ninfer.artifact.framing import format_artifact_id
 from ninfer.artifact.reader import Artifact
+from ninfer.devices import parse_device
 from ninfer.errors import ArtifactError, FormatError
 from ninfer.quant import codec_for
 
@@ -108,10 +109,11 @@ class VerifyReport:
         self.problems.append(message)
 
 
-def verify(artifact: Artifact, quiet: bool = False) -> VerifyReport:
+def verify(artifact: Artifact, quiet: bool = False, device: str = "cpu") -> VerifyReport:
     """Check the SHA256SUMS lines (when the folder has them) and that every object decodes to legal values.
     The structure was already checked when the artifact was opened."""
     report = VerifyReport()
+    device = str(parse_device(device))
     sums = read_sums(artifact.path.parent)
     listed = [p for p in artifact.files if p.name in sums]
     if not sums:
@@ -128,12 +130,12 @@ def verify(artifact: Artifact, quiet: bool = False) -> VerifyReport:
     total = sum(o.bytes for o in artifact.objects)
     with tqdm(total=total, unit="B", unit_scale=True, desc="decoding", disable=quiet, leave=False) as bar:
         for obj in artifact.objects:
-            _verify_object(artifact, obj, report)
+            _verify_object(artifact, obj, report, device)
             bar.update(obj.bytes)
     return report
 
 
-def _verify_object(artifact: Artifact, obj: Any, report: VerifyReport) -> None:
+def _verify_object(artifact: Artifact, obj: Any, report: VerifyReport, device: str) -> None:
     data = artifact.raw(obj.id)
     if obj.kind == "resource":
         if obj.id.endswith(".json"):
@@ -143,6 +145,7 @@ def _verify_object(artifact: Artifact, obj: Any, report: VerifyReport) -> None:
                 report.fail(f"resource {obj.id!r} is not valid JSON ({exc})")
         return
     codec = codec_for(obj.format, obj.layout)
+    data = data.to(device)
     try:
         codec.validate(data, obj.shape)
         values = codec.decode(data, obj.shape)

@@ -26,6 +26,7 @@ from ninfer.artifact.writer import ArtifactWriter, ResourceSpec, TensorSpec, pla
 from ninfer.convert.qwen3_5 import ModelPlan, ObjectPlan
 from ninfer.convert.recipes import check_recipe, format_for
 from ninfer.convert.source import FLOAT_DTYPES, TensorSource
+from ninfer.devices import parse_device
 from ninfer.errors import ConversionError, FormatError
 from ninfer.quant import codec_for
 
@@ -115,7 +116,7 @@ def build_artifact(plan: ModelPlan, source: TensorSource, resources: dict[str, d
         raise ConversionError(f"output folder {out.parent} does not exist")
     formats = object_formats(plan, recipe)
     _check_dtypes(plan, source)
-    torch_device = torch.device(device)
+    torch_device = parse_device(device)
 
     components = {}
     resource_specs: list[TensorSpec | ResourceSpec] = []

@@ -27,6 +27,7 @@ from ninfer.artifact.framing import DEFAULT_PART_CAP
 from ninfer.convert.converter import build_artifact
 from ninfer.convert.qwen3_5 import plan_qwen3_5, resolve_layer_types
 from ninfer.convert.source import TensorSource, matrix_rows
+from ninfer.devices import parse_device
 from ninfer.errors import ConversionError
 
 QWEN_VOCAB = 248_320  # padded embedding rows of the real Qwen3.5/3.6 vocabulary
@@ -227,7 +228,7 @@ def synth_artifact(preset: str, recipe: str, out: Path, *, seed: int = 0, device
     if preset not in PRESETS:
         raise ConversionError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     config = PRESETS[preset]
-    source = SyntheticSource(config, seed, device)
+    source = SyntheticSource(config, seed, str(parse_device(device)))
     plan = plan_qwen3_5(config, source)
     provenance = {"synthetic": {"preset": preset, "seed": seed}}
     return build_artifact(plan, source, synth_resources(config), recipe, out, name=f"{preset}-synth",

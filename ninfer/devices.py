@@ -1,0 +1,23 @@
+"""Device names from the command line, checked before any work starts."""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.errors import NinferError
+
+
+def parse_device(name: str) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N`, refused with a clear message when it is not usable here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise NinferError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise NinferError(f"device {name!r} requested but CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise NinferError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif device.type != "cpu":
+        raise NinferError(f"unsupported device {name!r}; use cpu, cuda or cuda:N")
+    return device
