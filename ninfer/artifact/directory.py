@@ -198,7 +198,7 @@ def _parse_components(raw: Any, objects: list[ObjectEntry]) -> dict[str, dict[st
         if not isinstance(resources, dict):
             raise DirectoryError(f"{what}: resources must map roles to object ids")
         for role, object_id in resources.items():
-            if kinds.get(object_id) != "resource":
+            if not isinstance(object_id, str) or kinds.get(object_id) != "resource":
                 raise DirectoryError(f"{what}: resource {role!r} names {object_id!r}, which is not a resource "
                                      "object")
     for obj in objects:

@@ -63,8 +63,11 @@ def _human_bytes(n: int) -> str:
 def _config_line(config: dict[str, Any]) -> str:
     keys = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_experts",
             "num_experts_per_tok", "vocab_size", "depth", "out_hidden_size")
-    parts = [f"{k}={config[k][0] if k == 'architectures' else config[k]}" for k in keys if k in config]
-    if "layer_types" in config:
+    shown = {k: config[k] for k in keys if k in config}
+    if isinstance(shown.get("architectures"), list) and len(shown["architectures"]) == 1:  # config is open JSON
+        shown["architectures"] = shown["architectures"][0]
+    parts = [f"{k}={v}" for k, v in shown.items()]
+    if isinstance(config.get("layer_types"), list):
         parts.append("layers=" + "".join("F" if t == "full_attention" else "L" for t in config["layer_types"]))
     return " ".join(parts)
 

@@ -66,6 +66,8 @@ class Artifact:
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Artifact:
         path = Path(path)
+        if path.is_dir():
+            raise ArtifactError(f"{path}: is a directory; give the entry .ninfer file")
         if not path.is_file():
             raise ArtifactError(f"{path}: no such file")
         with open(path, "rb") as f:
@@ -87,7 +89,7 @@ class Artifact:
             text = f.read(json_bytes)
         try:
             root = json.loads(text.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise ArtifactError(f"{path}: the directory is not valid UTF-8 JSON ({exc})") from None
         try:
             directory = parse_directory(root, path.name)

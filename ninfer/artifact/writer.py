@@ -21,6 +21,7 @@ from ninfer.artifact.framing import (
     DEFAULT_PART_CAP,
     ENTRY_MAGIC,
     HEADER_BYTES,
+    ID_BYTES,
     PART_MAGIC,
     PART_PAYLOAD_OFFSET,
     PAYLOAD_ALIGN,
@@ -121,6 +122,8 @@ class ArtifactWriter:
                  part_cap: int = DEFAULT_PART_CAP):
         self.path = Path(path)
         self.artifact_id = artifact_id or new_artifact_id()
+        if len(self.artifact_id) != ID_BYTES:  # the header would silently pad or cut it
+            raise ArtifactError(f"artifact id must be {ID_BYTES} bytes, not {len(self.artifact_id)}")
         self.directory, text = layout_directory(self.path, objects, components, metadata, provenance, part_cap)
         self._objects = {o.id: o for o in objects}
         self.final_paths = [self.path] + [self.path.with_name(f.path) for f in self.directory.files[1:] if f.path]

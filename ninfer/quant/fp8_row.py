@@ -7,7 +7,7 @@ finite.
 
 Encoder (per row, same reciprocal-then-multiply order as the groupwise formats):
     amax = max|x| (fp32); scale = round_bf16(round_f32(amax / 448))
-    if scale == +0 and amax > 0: scale = 2^-126 (smallest normal, so 1/scale stays finite)
+    if scale < 2^-126 and amax > 0: scale = 2^-126 (smallest normal, so 1/scale stays finite)
     inv = round_f32(1 / f32(scale)); code = e4m3fn_rne(clamp(round_f32(x * inv), -448, 448))
 """
 
@@ -42,8 +42,9 @@ class Fp8RowCodec(Codec):
 
     def _scales(self, x: torch.Tensor) -> torch.Tensor:
         amax = x.abs().amax(dim=-1)
-        scale = (amax / FP8_MAX).to(torch.bfloat16)
-        rescue = (scale == 0) & (amax > 0)
+        # a tensor divisor keeps the division exact on CUDA (see groupwise._scales)
+        scale = (amax / torch.full_like(amax, FP8_MAX)).to(torch.bfloat16)
+        rescue = (scale < RESCUE_SCALE) & (amax > 0)  # zero or subnormal: 1 / scale could overflow
         return torch.where(rescue, torch.full_like(scale, RESCUE_SCALE), scale)
 
     def encode_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
@@ -52,6 +53,7 @@ class Fp8RowCodec(Codec):
             raise FormatError(f"{self.format}: needs a float tensor, got {rows.dtype}")
         check_finite(rows, self.format)
         x = rows.to(torch.float32)
+        check_finite(x, f"{self.format} (value overflows float32)")
         scale = self._scales(x)
         inv = 1.0 / scale.to(torch.float32)
         inv = torch.where(scale == 0, torch.zeros_like(inv), inv)

@@ -94,7 +94,9 @@ class GroupwiseCodec(Codec):
     def _scales(self, groups: torch.Tensor) -> torch.Tensor:
         """fp16 scales [n, gpr] of fp32 groups [n, gpr, G], by the canonical rule."""
         amax = groups.abs().amax(dim=-1)
-        scale = (amax / self.qmax).to(torch.float16)
+        # a tensor divisor: CUDA turns division by a Python scalar into multiplication by its reciprocal,
+        # which rounds differently from the canonical round_f32(amax / qmax)
+        scale = (amax / torch.full_like(amax, self.qmax)).to(torch.float16)
         rescue = (scale == 0) & (amax > 0)
         scale = torch.where(rescue, torch.full_like(scale, RESCUE_SCALE), scale)
         if not bool(torch.isfinite(scale).all()):
@@ -190,8 +192,10 @@ class GroupwiseCodec(Codec):
         n, k = source.shape
         groups = self._padded_groups(source)
         scale = self._scales(groups).to(torch.float32)
-        # |x * inv - x / scale| and the clamp at qmax each stay below 2^-8 of a step
-        bound = (scale * (0.5 + 2.0**-8)).unsqueeze(-1).expand_as(groups)
+        # |x * inv - x / scale| stays below 2^-8 of a step; a subnormal scale can round down by up to half its
+        # spacing, and then values near amax clamp at qmax with an error up to amax - qmax * scale
+        clamped = (groups.abs().amax(dim=-1) - self.qmax * scale) * (1 + 2.0**-8)
+        bound = torch.maximum(scale * (0.5 + 2.0**-8), clamped).unsqueeze(-1).expand_as(groups)
         return bound.reshape(n, -1)[:, :k]
 
 

@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 df -h /tmp | tail -1
-python3 -m pytest -q -m gpu tests/test_quant_gpu.py 2>&1 | tail -3
+python3 -m pytest -q -m gpu tests/test_quant_gpu.py 2>&1 | grep -E "passed|failed|FAILED|Error"
 python3 scripts/device/timed.py synth python3 -m ninfer synth --preset "$preset" --recipe "$recipe" \
     --device cuda --artifact-id 00000000000000000000000000000001 --out "$out/$preset-$recipe.ninfer" --quiet
 ls -l "$out"
