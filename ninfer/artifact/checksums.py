@@ -26,7 +26,8 @@ def sha256_file(path: Path, progress: tqdm | None = None) -> str:
 
 def hash_files(paths: list[Path], what: str = "hashing", quiet: bool = False) -> dict[Path, str]:
     total = sum(p.stat().st_size for p in paths)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=what, disable=quiet, leave=False) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc=what, disable=True if quiet else None,
+              leave=False) as bar:
         return {p: sha256_file(p, bar) for p in paths}
 
 

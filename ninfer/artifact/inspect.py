@@ -131,7 +131,8 @@ def verify(artifact: Artifact, quiet: bool = False, device: str = "cpu") -> Veri
         if missing:
             report.fail(f"SHA256SUMS lists part of the artifact but not {', '.join(missing)}")
     total = sum(o.bytes for o in artifact.objects)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="decoding", disable=quiet, leave=False) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc="decoding",
+              disable=True if quiet else None, leave=False) as bar:
         for obj in artifact.objects:
             _verify_object(artifact, obj, report, device)
             bar.update(obj.bytes)

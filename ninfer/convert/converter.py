@@ -142,8 +142,8 @@ def build_artifact(plan: ModelPlan, source: TensorSource, resources: dict[str, d
             for object_id, data in resource_bytes.items():
                 writer.write(object_id, data)
             total = sum(torch.Size(o.shape).numel() for o in plan.objects)
-            with tqdm(total=total, unit="w", unit_scale=True, desc=f"converting {out.name}", disable=quiet,
-                      file=sys.stderr) as progress:
+            with tqdm(total=total, unit="w", unit_scale=True, desc=f"converting {out.name}",
+                      disable=True if quiet else None, file=sys.stderr) as progress:
                 for obj in plan.objects:
                     _write_object(writer, obj, formats[obj.id], source, torch_device, progress)
             paths = writer.commit()
