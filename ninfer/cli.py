@@ -1,4 +1,4 @@
-"""The `ninfer` command: convert, synth, inspect, verify.
+"""The `ninfer` command: run, convert, synth, inspect, verify.
 
 Results go to stdout, progress and errors to stderr; an error is one line and a non-zero exit code
 (2 for bad input to convert / synth and bad flags, 1 for an unsound artifact).
@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ninfer {ninfer.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    _add_run_parser(commands)
+
     convert = commands.add_parser("convert", help="convert a Hugging Face Qwen3.5 checkpoint folder")
     convert.add_argument("--model", required=True, type=Path, help="the checkpoint folder (config.json, safetensors)")
     convert.add_argument("--recipe", required=True, choices=RECIPES, help="how to store the weights")
@@ -84,7 +86,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_run_parser(commands: argparse._SubParsersAction) -> None:
+    run = commands.add_parser("run", help="generate text (with no MODEL: the embedded demo model)")
+    run.add_argument("model", nargs="?", type=Path, help="a .ninfer artifact (default: the embedded demo model)")
+    source = run.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the user's message (or, with --raw, the whole prompt text)")
+    source.add_argument("--messages", type=Path, help="a JSON file: a list of chat messages, or an object with "
+                                                      "'messages' and optional 'tools'")
+    source.add_argument("--prompt-ids", type=_token_ids, help="the prompt as comma-separated token ids")
+    run.add_argument("--raw", action="store_true", help="no chat template: the prompt text is tokenized as is")
+    run.add_argument("--no-thinking", action="store_true", help="render the chat template with thinking off")
+    run.add_argument("--max-new", type=_positive_int, default=256, help="most tokens to generate (default 256)")
+    run.add_argument("--max-context", type=_positive_int, help="context length (default: the model's)")
+    run.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
+    run.add_argument("--temperature", type=float)
+    run.add_argument("--top-k", type=int)
+    run.add_argument("--top-p", type=float)
+    run.add_argument("--min-p", type=float)
+    run.add_argument("--presence-penalty", type=float)
+    run.add_argument("--frequency-penalty", type=float)
+    run.add_argument("--repetition-penalty", type=float)
+    run.add_argument("--seed", type=int, help="same seed, same output")
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    run.add_argument("--print-token-ids", action="store_true", help="print the generated ids after the text")
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from ninfer.run import run_command
+
+        return run_command(args)
     if args.command == "convert":
         from ninfer.convert.checkpoint import convert_checkpoint
 

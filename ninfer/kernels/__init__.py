@@ -1,0 +1,1 @@
+"""One module per operation: the readable torch reference of each op (the oracle of its fast path)."""

@@ -1,0 +1,160 @@
+"""Next-token sampling: penalties → temperature → top-k → top-p → min-p → one draw (vLLM's order).
+
+For one row of logits `[V]` and a `SamplingParams`:
+
+1. `apply_penalties` (fp32), in this order:
+   - repetition (HF / vLLM): for every id in prompt ∪ generated, `l > 0 → l / r`, else `l · r`;
+   - presence (OpenAI): `l −= presence_penalty` once for every id that was generated;
+   - frequency (OpenAI): `l −= frequency_penalty · count`, count = occurrences among generated ids;
+   - logit bias: `l[id] += bias`.
+   The prompt feeds the repetition penalty only; presence and frequency see generated ids only.
+2. Greedy (temperature 0): the argmax of the penalised logits, lowest id on ties. No filter can remove the
+   argmax, so the filters are skipped, and the generator is not touched.
+3. Temperature: `l = (l − max l) / T`. The shift changes no probability and keeps a tiny T from overflowing.
+4. `filter_logits`: top-k, then top-p on the top-k distribution, then min-p; tokens outside become −inf.
+5. Softmax in fp32 and `torch.multinomial` with the request's generator: the same seed on the same device
+   gives the same tokens (CPU and CUDA streams differ).
+
+There is no hidden cap on top-k (upstream NInfer caps it at 20; we do not).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ninfer.sampling import SamplingError, SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator on `device` seeded with `seed`; None (torch's global generator) when `seed` is None."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def apply_penalties(
+    logits: Tensor, params: SamplingParams, prompt_ids: Tensor | None = None, generated_ids: Tensor | None = None
+) -> Tensor:
+    """Repetition, presence and frequency penalties, then the logit bias (module docstring, step 1).
+
+    Shapes: logits `[V]` (any float dtype); prompt_ids, generated_ids `[N]` integer ids in `[0, V)` or None
+    (empty). Returns a new fp32 `[V]` tensor; the input is not modified. Raises SamplingError for an id, or a
+    logit_bias id, outside the vocabulary.
+    """
+    vocab = _check_logits(logits)
+    out = logits.to(torch.float32, copy=True)
+    prompt = _token_ids(prompt_ids, vocab, "prompt_ids", out.device)
+    generated = _token_ids(generated_ids, vocab, "generated_ids", out.device)
+
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=out.device)
+        seen[prompt] = True
+        seen[generated] = True
+        # a tensor divisor: CUDA turns division by a Python scalar into a multiplication by its reciprocal
+        divided = out / torch.full_like(out, params.repetition_penalty)
+        penalised = torch.where(out > 0, divided, out * params.repetition_penalty)
+        out = torch.where(seen, penalised, out)
+
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        counts = torch.bincount(generated, minlength=vocab).to(torch.float32)
+        out -= params.presence_penalty * (counts > 0).to(torch.float32) + params.frequency_penalty * counts
+
+    if params.logit_bias:
+        ids = [token_id for token_id, _ in params.logit_bias]
+        if ids[-1] >= vocab:  # sorted by id
+            raise SamplingError(f"logit_bias token id {ids[-1]} is outside the vocabulary of {vocab} tokens")
+        bias = torch.tensor([value for _, value in params.logit_bias], dtype=torch.float32, device=out.device)
+        out[torch.tensor(ids, device=out.device)] += bias  # ids are unique
+    return out
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
+    """Set to −inf every token outside the top-k, then top-p, then min-p set; the argmax is always kept.
+
+    logits are temperature-scaled, `[..., V]` float with a finite maximum per row; each row is filtered alone.
+    Candidates are ranked by logit, descending; ties rank the lower id first.
+    - top_k (0 = off; k ≥ V keeps all): exactly the k first ranked (a tie at the k-th value keeps lower ids).
+    - top_p (1 = off): with p the softmax over the top-k survivors, keep the shortest ranked prefix whose
+      mass reaches top_p: a token is kept iff the mass ranked strictly before it is < top_p (mass in float64).
+    - min_p (0 = off): keep p_i ≥ min_p · p_max, evaluated as `l_i ≥ l_max + log(min_p)` (the same in exact
+      arithmetic, free of softmax rounding, and unchanged by the renormalisation after top-k / top-p).
+    Returns a new tensor of the same shape and dtype.
+    """
+    vocab = logits.shape[-1]
+    if (top_k == 0 or top_k >= vocab) and top_p >= 1.0 and min_p <= 0.0:
+        return logits.clone()
+    ranked, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep[..., top_k:] = False
+    if top_p < 1.0:
+        # float64 mass: the kept set does not depend on fp32 summation order (CPU vs CUDA scans)
+        probs = torch.softmax(ranked.double().masked_fill(~keep, -math.inf), dim=-1)
+        mass = torch.cumsum(probs, dim=-1)
+        mass_before = torch.cat([torch.zeros_like(mass[..., :1]), mass[..., :-1]], dim=-1)
+        keep &= mass_before < top_p
+    if min_p > 0.0:
+        keep &= ranked >= ranked[..., :1] + math.log(min_p)
+    keep_by_id = torch.empty_like(keep).scatter_(-1, order, keep)
+    return logits.masked_fill(~keep_by_id, -math.inf)
+
+
+def next_token_probs(
+    logits: Tensor, params: SamplingParams, prompt_ids: Tensor | None = None, generated_ids: Tensor | None = None
+) -> Tensor:
+    """The distribution the next token is drawn from (module docstring, steps 1–4), fp32 `[V]`.
+
+    Greedy params give the one-hot vector of the penalised argmax (lowest id on ties). Speculative acceptance
+    uses this distribution; `sample_next` draws from it.
+    """
+    penalised = apply_penalties(logits, params, prompt_ids, generated_ids)
+    best = penalised.max()
+    if best == -math.inf:
+        raise SamplingError(f"every one of the {penalised.numel()} logits is -inf: no token can be sampled")
+    if params.greedy:
+        return torch.zeros_like(penalised).index_fill_(0, torch.argmax(penalised), 1.0)
+    scaled = (penalised - best) / torch.full_like(penalised, params.temperature)  # tensor divisor: see above
+    kept = filter_logits(scaled, params.top_k, params.top_p, params.min_p)
+    return torch.softmax(kept, dim=-1)
+
+
+def sample_next(
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    prompt_ids: Tensor | None = None,
+    generated_ids: Tensor | None = None,
+) -> int:
+    """One next-token id from logits `[V]` (module docstring). Greedy params never touch the generator.
+
+    generator: from `make_generator(params.seed, logits.device)`, created once per request and reused for every
+    step, so that a seeded request is reproducible; None uses torch's global generator.
+    """
+    probs = next_token_probs(logits, params, prompt_ids, generated_ids)
+    if params.greedy:
+        return int(torch.argmax(probs).item())
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _check_logits(logits: Tensor) -> int:
+    if logits.dim() != 1 or not logits.is_floating_point():
+        raise SamplingError(f"the sampler needs one row of float logits [V], got {logits.dtype} {list(logits.shape)}")
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise SamplingError("logits contain NaN or +inf: the model output is broken, nothing can be sampled")
+    return logits.shape[0]
+
+
+def _token_ids(ids: Tensor | None, vocab: int, name: str, device: torch.device) -> Tensor:
+    if ids is None or ids.numel() == 0:  # an empty tensor holds no ids, whatever its dtype
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise SamplingError(f"{name} must be a 1-D integer tensor of token ids, got {ids.dtype} {list(ids.shape)}")
+    ids = ids.to(device=device, dtype=torch.int64)
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise SamplingError(
+            f"{name} holds an id outside the vocabulary [0, {vocab}): {ids.min().item()}..{ids.max().item()}"
+        )
+    return ids

@@ -1,0 +1,184 @@
+"""The Qwen3.5 text model (dense and MoE) on the torch reference operations: the oracle path.
+
+Per layer: h += mixer(rms_norm(h)) with mixer = gated attention ("full_attention") or Gated DeltaNet
+("linear_attention"), then h += mlp(rms_norm(h)) with a SwiGLU MLP or the sparse MoE; a final norm and the
+head. The forward below reads like the model card; the semantics (zero-centred norms, per-head query/gate,
+partial interleaved rotary, fp32 decay and delta rule, softmax-top-k-renormalise routing with a
+sigmoid-gated shared expert) are those of transformers' qwen3_5 / qwen3_5_moe, against which it is tested.
+
+Weights come from the artifact's `text` objects (docs/artifact-format.md §4), decoded at load into the
+compute dtype (fp32 or bf16); A_log and dt_bias stay fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.artifact.reader import Artifact
+from ninfer.kernels.attention import causal_attention
+from ninfer.kernels.conv1d import causal_conv1d
+from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, gated_delta_rule_recurrent, l2_normalize
+from ninfer.kernels.moe import moe_mlp, swiglu_mlp
+from ninfer.kernels.norm import rms_norm, rms_norm_gated
+from ninfer.kernels.rope import apply_rope, rope_cos_sin
+from ninfer.model.config import FULL_ATTENTION, TextConfig
+
+FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
+
+
+@dataclass
+class SequenceState:
+    """Everything a sequence carries between forward calls: its length, the KV cache of each attention layer
+    (preallocated to `capacity` positions) and the conv and recurrent state of each GDN layer."""
+
+    capacity: int
+    length: int = 0
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    conv: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    recurrent: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+
+class Qwen35Model:
+    """Qwen3.5 text model on the reference operations. `forward(ids, state)` appends `ids` to the sequence."""
+
+    def __init__(self, config: TextConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype):
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.head = weights["output_head"] if "output_head" in weights else weights["token_embedding"]
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> Qwen35Model:
+        config = TextConfig.from_dict(artifact.components["text"]["config"])
+        device = torch.device(device)
+        weights = {}
+        for obj in artifact.objects:
+            if obj.kind != "tensor" or obj.component != "text":
+                continue
+            name = obj.id.removeprefix("text/")
+            tensor = artifact.tensor(obj.id, device)
+            weights[name] = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)
+        return cls(config, weights, device, dtype)
+
+    def new_state(self, capacity: int) -> SequenceState:
+        c = self.config
+        state = SequenceState(capacity)
+        for i, kind in enumerate(c.layer_types):
+            if kind == FULL_ATTENTION:
+                shape = (capacity, c.kv_heads, c.head_dim)
+                state.keys[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                state.values[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            else:
+                state.conv[i] = None
+                state.recurrent[i] = None
+        return state
+
+    # -- the forward pass ------------------------------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weights["token_embedding"][ids]
+
+    def forward(self, ids: torch.Tensor, state: SequenceState, all_logits: bool = False) -> torch.Tensor:
+        """Logits (fp32) of the last new position `[V]`, or of every new position `[T, V]` with `all_logits`."""
+        hidden = self.hidden_states(ids, state)
+        last = hidden if all_logits else hidden[-1]
+        return (last @ self.head.T).float()
+
+    def hidden_states(self, ids: torch.Tensor, state: SequenceState,
+                      collect: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The final-normed hidden states `[T, H]` of the new tokens; with `collect`, each layer's input and
+        the final output are appended to it (to locate the first layer that diverges from a reference)."""
+        c = self.config
+        t = ids.numel()
+        start = state.length
+        if start + t > state.capacity:
+            raise ValueError(f"sequence of {start + t} tokens exceeds the state's capacity of {state.capacity}")
+        positions = torch.arange(start, start + t, device=self.device)
+        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, list(c.mrope_section)
+                                if c.mrope_section else None, dtype=self.dtype)
+        x = self.embed(ids.to(self.device))
+        for i, kind in enumerate(c.layer_types):
+            if collect is not None:
+                collect.append(x)
+            w = _LayerWeights(self.weights, i)
+            h = rms_norm(x, w["input_norm"], c.rms_eps)
+            if kind == FULL_ATTENTION:
+                h = self.attention(h, w, state, i, start, cos, sin)
+            else:
+                h = self.gated_deltanet(h, w, state, i)
+            x = x + h
+            h = rms_norm(x, w["post_attention_norm"], c.rms_eps)
+            x = x + self.mlp(h, w)
+        state.length = start + t
+        x = rms_norm(x, self.weights["final_norm"], c.rms_eps)
+        if collect is not None:
+            collect.append(x)
+        return x
+
+    def attention(self, x: torch.Tensor, w: _LayerWeights, state: SequenceState, layer: int, start: int,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        t, q_rows = x.shape[0], c.heads * c.head_dim
+        query_key = x @ w["attention/query_key"].T
+        gate_value = x @ w["attention/gate_value"].T
+        q = query_key[:, :q_rows].reshape(t, c.heads, c.head_dim)
+        k = query_key[:, q_rows:].reshape(t, c.kv_heads, c.head_dim)
+        gate = gate_value[:, :q_rows]
+        v = gate_value[:, q_rows:].reshape(t, c.kv_heads, c.head_dim)
+        q = apply_rope(rms_norm(q, w["attention/query_norm"], c.rms_eps), cos, sin)
+        k = apply_rope(rms_norm(k, w["attention/key_norm"], c.rms_eps), cos, sin)
+        keys, values = state.keys[layer], state.values[layer]
+        keys[start : start + t] = k
+        values[start : start + t] = v
+        o = causal_attention(q, keys[: start + t], values[: start + t], start, c.head_dim**-0.5)
+        o = o.reshape(t, q_rows) * torch.sigmoid(gate)
+        return o @ w["attention/output"].T
+
+    def gated_deltanet(self, x: torch.Tensor, w: _LayerWeights, state: SequenceState, layer: int) -> torch.Tensor:
+        c = self.config
+        t = x.shape[0]
+        key_rows, value_rows = c.k_heads * c.k_dim, c.v_heads * c.v_dim
+        query_key = x @ w["gdn/query_key"].T
+        value_z = x @ w["gdn/value_z"].T
+        a_b = x @ w["gdn/a_b_projection"].T
+        mixed = torch.cat([query_key, value_z[:, :value_rows]], dim=-1)  # the in_proj_qkv order: q, k, v
+        mixed, state.conv[layer] = causal_conv1d(mixed, w["gdn/convolution"], state.conv[layer])
+        q = mixed[:, :key_rows].reshape(t, c.k_heads, c.k_dim)
+        k = mixed[:, key_rows : 2 * key_rows].reshape(t, c.k_heads, c.k_dim)
+        v = mixed[:, 2 * key_rows :].reshape(t, c.v_heads, c.v_dim)
+        z = value_z[:, value_rows:].reshape(t, c.v_heads, c.v_dim)
+        a, b = a_b[:, : c.v_heads], a_b[:, c.v_heads :]
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(w["gdn/a_log"]) * F.softplus(a.float() + w["gdn/dt_bias"])
+        q = l2_normalize(q) * c.k_dim**-0.5
+        k = l2_normalize(k)
+        repeat = c.v_heads // c.k_heads  # value head j reads key head j // repeat
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        rule = gated_delta_rule_chunked if t > 1 else gated_delta_rule_recurrent
+        o, state.recurrent[layer] = rule(q, k, v.float(), g, beta, state.recurrent[layer])
+        o = rms_norm_gated(o.to(x.dtype), z, w["gdn/norm"], c.rms_eps)
+        return o.reshape(t, value_rows) @ w["gdn/output"].T
+
+    def mlp(self, x: torch.Tensor, w: _LayerWeights) -> torch.Tensor:
+        if not self.config.moe:
+            return swiglu_mlp(x, w["mlp/gate_up"], w["mlp/down"])
+        return moe_mlp(x, w["moe/router_shared_gate"], w["moe/routed_gate_up"], w["moe/routed_down"],
+                       w["moe/shared_gate_up"], w["moe/shared_down"], self.config.top_k)
+
+
+class _LayerWeights:
+    """`w["attention/query_key"]` for layer i reads weights["layers/{i}/attention/query_key"]."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], layer: int):
+        self._weights = weights
+        self._prefix = f"layers/{layer}/"
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._weights[self._prefix + name]
