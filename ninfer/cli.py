@@ -109,6 +109,8 @@ def _add_run_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--seed", type=int, help="same seed, same output")
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    run.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                     help="compute dtype (default auto: fp32 on the CPU, bf16 on CUDA)")
     run.add_argument("--print-token-ids", action="store_true", help="print the generated ids after the text")
 
 

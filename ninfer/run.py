@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+import torch
+
 from ninfer.engine.llm import LLM, Finished
 from ninfer.errors import NinferError
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
@@ -41,7 +43,8 @@ def _read_messages(path: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 def run_command(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.is_file():
         raise NinferError(f"{args.model}: no such file")
-    llm = LLM(args.model, device=args.device, max_context=args.max_context)
+    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    llm = LLM(args.model, device=args.device, dtype=dtype, max_context=args.max_context)
     overrides = {flag: getattr(args, flag) for flag in SAMPLING_FLAGS if getattr(args, flag) is not None}
     if args.greedy:
         overrides["temperature"] = 0.0

@@ -8,6 +8,8 @@
 
 One sequence at a time on the reference model: prefill the prompt, then sample token by token; the text
 goes through the incremental detokenizer, the stop-string matcher and the reasoning / tool-call parser.
+Ids beyond the tokenizer's vocabulary (the embedding's padding rows, e.g. 248,077..248,319 for Qwen3.5) are
+never sampled: they have no text.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ class LLM:
             started = time.perf_counter()
             finish, stopped = "length", False
             while True:
+                logits[self.tokenizer.vocab_size :] = float("-inf")  # padding rows of the embedding: no text
                 token = sample_next(logits, params, generator, prompt_tensor,
                                     torch.tensor(generated, dtype=torch.long, device=self.device))
                 if token in stop_ids:
@@ -184,7 +187,7 @@ class LLM:
                 if stopped:
                     finish = "stop"
                     break
-                if len(generated) >= params.max_tokens or state.length >= state.capacity:
+                if len(generated) >= params.max_tokens or len(ids) + len(generated) >= state.capacity:
                     break
                 logits = self.model.forward(torch.tensor([token], device=self.device), state)
             _sync(self.device)

@@ -108,7 +108,7 @@ def gated_delta_rule_chunked(
 
     k_beta = k * beta[..., None]
     A = ((k_beta @ k.transpose(-1, -2)) * Dec).tril(-1)
-    I_plus_A = A + torch.eye(C, device=q.device)
+    I_plus_A = A + torch.eye(C, dtype=torch.float32, device=q.device)
     U = torch.linalg.solve_triangular(I_plus_A, v * beta[..., None], upper=False, unitriangular=True)
     W = torch.linalg.solve_triangular(I_plus_A, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
     QK = (q @ k.transpose(-1, -2)) * Dec

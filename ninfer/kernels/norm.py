@@ -38,5 +38,5 @@ def rms_norm_gated(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = weight * x_hat.to(dtype)
-    y = y * F.silu(z)
+    y = y * F.silu(z.float())
     return y.to(dtype)

@@ -155,7 +155,7 @@ class Qwen35Model:
         v = mixed[:, 2 * key_rows :].reshape(t, c.v_heads, c.v_dim)
         z = value_z[:, value_rows:].reshape(t, c.v_heads, c.v_dim)
         a, b = a_b[:, : c.v_heads], a_b[:, c.v_heads :]
-        beta = torch.sigmoid(b.float())
+        beta = torch.sigmoid(b).float()  # in the activation dtype, as transformers rounds it
         g = -torch.exp(w["gdn/a_log"]) * F.softplus(a.float() + w["gdn/dt_bias"])
         q = l2_normalize(q) * c.k_dim**-0.5
         k = l2_normalize(k)
