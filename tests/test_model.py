@@ -128,3 +128,33 @@ def test_bf16_path_is_as_accurate_as_transformers_bf16(tmp_path, moe):
 
     assert relative(logits) <= BF16_ERROR_RATIO * relative(theirs) + BF16_ERROR_FLOOR
     assert relative(logits) < 0.15  # and bf16 at all: not drifting
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_mtp_head_matches_the_transformers_layer_form(tmp_path, moe):
+    """Our MTP head against the training script's MTPHead (transformers' decoder layer) with the same weights."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from train_small import MTPHead
+
+    spec = CheckpointSpec(moe=moe, vision=False)
+    state = write_checkpoint(tmp_path / "ck", spec, byte_tokenizer_files(VOCAB_SIZE))
+    convert_checkpoint(tmp_path / "ck", "fp32", tmp_path / "m.ninfer", quiet=True)
+    with open_artifact(tmp_path / "m.ninfer") as artifact:
+        ours = Qwen35Model.from_artifact(artifact)
+    hf = build_model(spec)
+    head = MTPHead(hf.config.text_config, moe)
+    head.load_state_dict({k.removeprefix("mtp."): v for k, v in state.items() if k.startswith("mtp.")})
+    head.eval()
+    ids = _prompt(40, seed=4)
+    language = hf.model.language_model
+    with torch.no_grad():
+        hidden = language(input_ids=ids[None]).last_hidden_state
+        expected = hf.lm_head(head(hidden[:, :-1], language.embed_tokens(ids[None, 1:]), language.rotary_emb))[0]
+        trunk = ours.hidden_states(ids, ours.new_state(40))
+        mtp_state = ours.new_mtp_state(39)
+        first = ours.mtp_logits(trunk[:20], ids[1:21], mtp_state)  # in two calls: the head's cache carries
+        second = ours.mtp_logits(trunk[20:-1], ids[21:], mtp_state)
+    torch.testing.assert_close(torch.cat([first, second]), expected.float(), atol=FP32_LOGITS_ATOL, rtol=0)

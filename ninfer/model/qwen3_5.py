@@ -60,9 +60,9 @@ class Qwen35Model:
         device = torch.device(device)
         weights = {}
         for obj in artifact.objects:
-            if obj.kind != "tensor" or obj.component != "text":
+            if obj.kind != "tensor" or obj.component not in ("text", "mtp"):
                 continue
-            name = obj.id.removeprefix("text/")
+            name = obj.id.removeprefix("text/")  # the MTP head's weights keep their "mtp/" prefix
             tensor = artifact.tensor(obj.id, device)
             weights[name] = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)
         return cls(config, weights, device, dtype)
@@ -107,7 +107,7 @@ class Qwen35Model:
         for i, kind in enumerate(c.layer_types):
             if collect is not None:
                 collect.append(x)
-            w = _LayerWeights(self.weights, i)
+            w = _LayerWeights(self.weights, f"layers/{i}/")
             h = rms_norm(x, w["input_norm"], c.rms_eps)
             if kind == FULL_ATTENTION:
                 h = self.attention(h, w, state, i, start, cos, sin)
@@ -121,6 +121,43 @@ class Qwen35Model:
         if collect is not None:
             collect.append(x)
         return x
+
+    @property
+    def has_mtp(self) -> bool:
+        return "mtp/input_projection" in self.weights
+
+    def new_mtp_state(self, capacity: int) -> SequenceState:
+        """State of the MTP head's own attention layer (its KV cache), one per sequence."""
+        c = self.config
+        state = SequenceState(capacity)
+        state.keys[0] = torch.zeros((capacity, c.kv_heads, c.head_dim), dtype=self.dtype, device=self.device)
+        state.values[0] = torch.zeros_like(state.keys[0])
+        return state
+
+    def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """The MTP head: logits `[T, V]` for x_{t+2} from the trunk's final-normed hidden states h_t `[T, H]` and
+        the next tokens x_{t+1} `[T]`, appended to the head's own sequence `state` (position t for h_t):
+            u = input_projection([embedding_norm(embed(x_{t+1})) ; hidden_norm(h_t)])
+            u = full-attention decoder layer (mtp/layers/0) over u;  logits = head(final_norm(u))
+        """
+        if not self.has_mtp:
+            raise ValueError("this artifact has no MTP head")
+        c = self.config
+        t = hidden.shape[0]
+        start = state.length
+        if start + t > state.capacity:
+            raise ValueError(f"MTP sequence of {start + t} tokens exceeds its capacity of {state.capacity}")
+        w = _LayerWeights(self.weights, "mtp/")
+        embedded = rms_norm(self.embed(next_ids.to(self.device)), w["embedding_norm"], c.rms_eps)
+        u = torch.cat([embedded, rms_norm(hidden, w["hidden_norm"], c.rms_eps)], dim=-1) @ w["input_projection"].T
+        positions = torch.arange(start, start + t, device=self.device)
+        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, list(c.mrope_section)
+                                if c.mrope_section else None, dtype=self.dtype)
+        layer = _LayerWeights(self.weights, "mtp/layers/0/")
+        u = u + self.attention(rms_norm(u, layer["input_norm"], c.rms_eps), layer, state, 0, start, cos, sin)
+        u = u + self.mlp(rms_norm(u, layer["post_attention_norm"], c.rms_eps), layer)
+        state.length = start + t
+        return (rms_norm(u, w["final_norm"], c.rms_eps) @ self.head.T).float()
 
     def attention(self, x: torch.Tensor, w: _LayerWeights, state: SequenceState, layer: int, start: int,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -174,11 +211,11 @@ class Qwen35Model:
 
 
 class _LayerWeights:
-    """`w["attention/query_key"]` for layer i reads weights["layers/{i}/attention/query_key"]."""
+    """`w["attention/query_key"]` reads weights[prefix + "attention/query_key"], prefix e.g. "layers/3/"."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], layer: int):
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str):
         self._weights = weights
-        self._prefix = f"layers/{layer}/"
+        self._prefix = prefix
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._weights[self._prefix + name]
