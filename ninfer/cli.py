@@ -1,4 +1,4 @@
-"""The `ninfer` command: run, convert, synth, inspect, verify.
+"""The `ninfer` command: run, convert, synth, inspect, verify, ppl, kl.
 
 Results go to stdout, progress and errors to stderr; an error is one line and a non-zero exit code
 (2 for bad input to convert / synth and bad flags, 1 for an unsound artifact).
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     _add_run_parser(commands)
+    _add_eval_parsers(commands)
 
     convert = commands.add_parser("convert", help="convert a Hugging Face Qwen3.5 checkpoint folder")
     convert.add_argument("--model", required=True, type=Path, help="the checkpoint folder (config.json, safetensors)")
@@ -114,6 +115,25 @@ def _add_run_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--print-token-ids", action="store_true", help="print the generated ids after the text")
 
 
+def _add_eval_parsers(commands: argparse._SubParsersAction) -> None:
+    ppl = commands.add_parser("ppl", help="perplexity of a model on a text file (windowed, teacher-forced)")
+    ppl.add_argument("model", type=Path, help="a .ninfer artifact")
+    kl = commands.add_parser("kl", help="KL divergence of a model from a reference model on a text file")
+    kl.add_argument("reference", type=Path, help="the reference .ninfer artifact (same tokenizer)")
+    kl.add_argument("model", type=Path, help="the .ninfer artifact to compare with it")
+    for parser in (ppl, kl):
+        parser.add_argument("--text", required=True, type=Path, help="a UTF-8 text file (.txt, or .txt.xz)")
+        parser.add_argument("--context", type=_positive_int, default=512, help="tokens per window (default 512)")
+        parser.add_argument("--stride", type=_positive_int, default=256,
+                            help="tokens between window starts; each window scores the positions the previous "
+                                 "one did not (default 256)")
+        parser.add_argument("--max-tokens", type=_positive_int, help="score only the text's first N tokens")
+        parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+        parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                            help="compute dtype (default auto: fp32 on the CPU, bf16 on CUDA)")
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
@@ -129,6 +149,10 @@ def _run(args: argparse.Namespace) -> int:
         from ninfer.run import run_command
 
         return run_command(args)
+    if args.command in ("ppl", "kl"):
+        from ninfer.eval.perplexity import kl_command, ppl_command
+
+        return ppl_command(args) if args.command == "ppl" else kl_command(args)
     if args.command == "convert":
         from ninfer.convert.checkpoint import convert_checkpoint
 

@@ -1,0 +1,1 @@
+"""Teacher-forced model quality on token streams: perplexity, KL divergence against a reference, baselines."""
