@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 TOKENIZER_DIR = ROOT / "data" / "tokenizer"
 MTP_WEIGHT = 0.3
+CALIBRATION_STEPS = 40  # < warmup: the learning rate until then does not depend on the total step count
 AUX_WEIGHT = 0.01  # MoE load balancing
 
 # Model shapes: dense about 10 M and MoE about 14 M parameters with a 4,096-token vocabulary.
@@ -104,6 +105,7 @@ def build(kind: str, tiny: bool, special_ids: dict[str, int], device: torch.devi
     config._attn_implementation = "sdpa"
     model = (Qwen3_5MoeForCausalLM if kind == "moe" else Qwen3_5ForCausalLM)(config)
     mtp = MTPHead(model.config, kind == "moe")
+    mtp.apply(model._init_weights)  # outside a PreTrainedModel nothing initialises e.g. the fused expert banks
     return model.to(device), mtp.to(device)
 
 
@@ -193,21 +195,31 @@ def save_checkpoint(out: Path, model, mtp, kind: str, log: dict) -> None:
     (out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(SHAPES), required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, help="optimizer steps (or let --time-budget choose them)")
+    parser.add_argument("--time-budget", type=float, help="minutes of training: after CALIBRATION_STEPS steps the "
+                        "step count is fixed from the measured speed and printed, so `--steps N` repeats the run")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-minutes", type=float, default=None, help="stop early (and say so) past this")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes for a CPU smoke test")
     parser.add_argument("--log-every", type=int, default=100)
     args = parser.parse_args()
+    if (args.steps is None) == (args.time_budget is None):
+        parser.error("give exactly one of --steps and --time-budget")
+    if args.warmup <= CALIBRATION_STEPS:
+        parser.error(f"--warmup must exceed {CALIBRATION_STEPS}")
 
     from corpus import load_split
     from tokenizers import Tokenizer
@@ -245,11 +257,17 @@ def main() -> None:
     history = []
     train_started = time.time()
     steps_done = 0
-    stopped_early = False
-    for step in range(args.steps):
-        if args.max_minutes is not None and time.time() - train_started > 60 * args.max_minutes:
-            stopped_early = True
-            break
+    step = 0
+    calibration_start = 0.0
+    while args.steps is None or step < args.steps:
+        if args.steps is None and step == 10:
+            _sync(device)
+            calibration_start = time.time()
+        if args.steps is None and step == CALIBRATION_STEPS:
+            _sync(device)
+            per_step = (time.time() - calibration_start) / (CALIBRATION_STEPS - 10)
+            args.steps = max(CALIBRATION_STEPS + 1, int(60 * args.time_budget / per_step))
+            print(f"calibrated: {per_step * 1000:.0f} ms per step -> --steps {args.steps}", flush=True)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         batch = windows(train_ids, args.batch, args.seq + 2, generator).to(device, non_blocking=True)
@@ -261,20 +279,22 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         steps_done = step + 1
-        if step % args.log_every == 0 or step == args.steps - 1:
+        if step % args.log_every == 0 or step + 1 == args.steps:
             elapsed = time.time() - train_started
+            main, mtp_loss, aux = main.detach(), mtp_loss.detach(), aux.detach()
             entry = {"step": step, "loss": float(main), "mtp_loss": float(mtp_loss), "aux": float(aux),
                      "lr": lr_at(step), "seconds": round(elapsed, 1), **stats}
             history.append(entry)
             tokens = steps_done * args.batch * args.seq
             print(f"step {step:5d}  loss {float(main):.3f}  mtp {float(mtp_loss):.3f}  top1 {stats['main_top1']:.3f}"
                   f"  mtp_top1 {stats['mtp_top1']:.3f}  {tokens / max(elapsed, 1e-9):,.0f} tok/s", flush=True)
+        step += 1
     train_seconds = time.time() - train_started
     held_out = evaluate(model, mtp, test_ids, args.seq, args.batch, device, moe, autocast)
     print(f"held-out: loss {held_out['main']:.3f} (ppl {held_out['main_ppl']:.2f}), top1 {held_out['main_top1']:.3f}, "
           f"mtp top1 {held_out['mtp_top1']:.3f}", flush=True)
     log = {"model": args.model, "args": {k: str(v) for k, v in vars(args).items()}, "parameters": params,
-           "steps_done": steps_done, "stopped_early": stopped_early, "train_seconds": round(train_seconds, 1),
+           "steps_done": steps_done, "train_seconds": round(train_seconds, 1),
            "tokens_seen": steps_done * args.batch * args.seq, "held_out": held_out, "history": history,
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     save_checkpoint(args.out, model, mtp, args.model, log)

