@@ -75,18 +75,21 @@ class MTPHead(nn.Module):
 
     def __init__(self, config, moe: bool):
         super().__init__()
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as dense_modeling
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as moe_modeling
 
         layer_config = config.__class__(**{**config.to_dict(), "num_hidden_layers": 1,
                                            "layer_types": ["full_attention"]})
         layer_config._attn_implementation = "sdpa"  # attention_mask=None is then causal
+        # the trunk's own classes, so that the trunk's _init_weights recognises them (zero-centred norms = 0)
+        norm = moe_modeling.Qwen3_5MoeRMSNorm if moe else dense_modeling.Qwen3_5RMSNorm
+        layer = moe_modeling.Qwen3_5MoeDecoderLayer if moe else dense_modeling.Qwen3_5DecoderLayer
         h, eps = config.hidden_size, config.rms_norm_eps
         self.fc = nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps)
-        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps)
-        self.layers = nn.ModuleList([(Qwen3_5MoeDecoderLayer if moe else Qwen3_5DecoderLayer)(layer_config, 0)])
-        self.norm = Qwen3_5RMSNorm(h, eps)
+        self.pre_fc_norm_embedding = norm(h, eps)
+        self.pre_fc_norm_hidden = norm(h, eps)
+        self.layers = nn.ModuleList([layer(layer_config, 0)])
+        self.norm = norm(h, eps)
 
     def forward(self, hidden: torch.Tensor, next_embeddings: torch.Tensor, rotary) -> torch.Tensor:
         u = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeddings), self.pre_fc_norm_hidden(hidden)], -1))
