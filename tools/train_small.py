@@ -94,7 +94,7 @@ class MTPHead(nn.Module):
     def forward(self, hidden: torch.Tensor, next_embeddings: torch.Tensor, rotary) -> torch.Tensor:
         u = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeddings), self.pre_fc_norm_hidden(hidden)], -1))
         positions = torch.arange(u.shape[1], device=u.device)[None].expand(u.shape[0], -1)
-        cos_sin = rotary(u, positions)
+        cos_sin = rotary(u, positions[None].expand(3, -1, -1))  # [3, B, T]: the T/H/W rows of MRoPE (all equal)
         for layer in self.layers:
             out = layer(u, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
             u = out[0] if isinstance(out, tuple) else out
