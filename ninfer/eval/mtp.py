@@ -11,8 +11,10 @@ from ninfer.eval.perplexity import windows
 
 @torch.no_grad()
 def mtp_top1_accuracy(model, ids: Sequence[int], context: int = 512, stride: int = 256) -> tuple[int, int]:
-    """(correct, total) over the windows of `ninfer ppl` (score_from is absolute): in each window the trunk runs from an empty state, the
-    MTP head reads h_t and x_{t+1} and its argmax is compared with x_{t+2}; every target position counts once."""
+    """(correct, total) over the windows of `ninfer ppl`: in each window the trunk runs from an empty state, the
+    MTP head reads h_t and x_{t+1} and its argmax is compared with x_{t+2}; every target position counts once
+    (a target needs two tokens of its window before it, so a window overlapping the last by one cannot draft
+    its first scored position)."""
     ids_tensor = torch.as_tensor(list(ids), dtype=torch.long)
     correct = total = 0
     for begin, end, score_from in windows(len(ids_tensor), context, stride):
