@@ -1,28 +1,40 @@
-"""Build ninfer/assets/demo.ninfer: the embedded default model of `ninfer run` and `ninfer.LLM()`.
+"""Build the embedded default model and the MoE quality fixture from the trained small checkpoints.
 
-A tiny random-weight Qwen3.5 (the `tiny-dense` synth preset: 4 layers, hidden 64, byte-level tokenizer with the
-Qwen3.5 special tokens and chat template), stored with the q8 recipe, made by the project's own `synth` and
-converter. Reruns are byte-identical (fixed seed and artifact id). It prints noise: it shows the pipeline,
-not a language model (a trained one replaces it later).
-    python scripts/build_demo_artifact.py
+    python scripts/build_demo_artifact.py --dense CKPT_DIR --moe CKPT_DIR
+
+writes ninfer/assets/demo.ninfer (the dense model, q8: the default of `ninfer run` and `ninfer.LLM()`) and
+data/models/small-moe-q8.ninfer (the MoE model, q8), both with fixed artifact ids, so that the same checkpoints
+give the same bytes. The checkpoints come from tools/train_small.py on a GPU (docs/quality.md says how:
+`bash scripts/device/train.sh dense 3.5` and `... moe 3.5`, or `--steps 1718` / `--steps 850` with seed 0).
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
-from ninfer.convert.synth import synth_artifact
+from ninfer.convert.checkpoint import convert_checkpoint
 
-OUT = Path(__file__).resolve().parent.parent / "ninfer" / "assets" / "demo.ninfer"
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {  # model -> (output, artifact id)
+    "dense": (ROOT / "ninfer" / "assets" / "demo.ninfer", bytes(15) + b"\x01"),
+    "moe": (ROOT / "data" / "models" / "small-moe-q8.ninfer", bytes(15) + b"\x02"),
+}
 
 
 def main() -> None:
-    OUT.parent.mkdir(exist_ok=True)
-    synth_artifact("tiny-dense", "q8", OUT, seed=2026, artifact_id=bytes(range(16)), quiet=True)
-    # the report and SHA256SUMS are for distribution folders; the package ships only the artifact
-    for extra in (OUT.with_name(OUT.name + ".conversion.json"), OUT.with_name("SHA256SUMS")):
-        extra.unlink(missing_ok=True)
-    print(f"{OUT}: {OUT.stat().st_size:,d} bytes")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dense", type=Path, required=True, help="the dense checkpoint folder")
+    parser.add_argument("--moe", type=Path, required=True, help="the MoE checkpoint folder")
+    args = parser.parse_args()
+    for model, checkpoint in (("dense", args.dense), ("moe", args.moe)):
+        out, artifact_id = TARGETS[model]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert_checkpoint(checkpoint, "q8", out, name=f"ninfer-small-{model}", artifact_id=artifact_id, quiet=True)
+        # the report and SHA256SUMS are for distribution folders; the repository keeps only the artifact
+        for extra in (out.with_name(out.name + ".conversion.json"), out.with_name("SHA256SUMS")):
+            extra.unlink(missing_ok=True)
+        print(f"{out.relative_to(ROOT)}: {out.stat().st_size:,d} bytes")
 
 
 if __name__ == "__main__":

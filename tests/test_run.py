@@ -34,6 +34,15 @@ def _manual_greedy(llm: LLM, ids: list[int], count: int) -> list[int]:
     return out
 
 
+def test_embedded_default_writes_corpus_style_text(llm):
+    """The embedded default is the small model trained on the CPython standard library (docs/quality.md)."""
+    completion = llm.generate("import os\nimport sys\n\n\ndef ", SamplingParams(temperature=0.0, max_tokens=48),
+                              raw=True)
+    assert completion.finish_reason == "length"
+    text = completion.text
+    assert "(" in text and ")" in text and ":" in text  # Python, not noise
+
+
 def test_embedded_default_generates_like_a_manual_greedy_loop(llm):
     assert llm.path == DEFAULT_ARTIFACT and DEFAULT_ARTIFACT.is_file()
     completion = llm.generate("Hello", GREEDY)
@@ -46,8 +55,12 @@ def test_embedded_default_generates_like_a_manual_greedy_loop(llm):
     assert ninfer.LLM is LLM
 
 
-def test_padding_rows_of_the_embedding_are_never_sampled(llm):
-    assert llm.model.config.vocab > llm.tokenizer.vocab_size  # the demo model has 31 padding rows
+def test_padding_rows_of_the_embedding_are_never_sampled(tmp_path):
+    from ninfer.convert.synth import synth_artifact
+
+    synth_artifact("tiny-dense", "q8", tmp_path / "tiny.ninfer", quiet=True)  # random weights, 31 padding rows
+    llm = LLM(tmp_path / "tiny.ninfer")
+    assert llm.model.config.vocab > llm.tokenizer.vocab_size
     for seed in range(4):
         params = SamplingParams(temperature=1.5, seed=seed, max_tokens=64, ignore_eos=True)
         assert max(llm.generate("Hello", params).token_ids) < llm.tokenizer.vocab_size
@@ -97,7 +110,7 @@ def test_prompt_longer_than_the_context_is_refused():
 
 def test_generation_stops_at_the_context_limit():
     small = LLM(max_context=40)
-    ids = small.tokenizer.encode("x" * 30)
+    ids = list(range(100, 130))
     completion = small.generate(ids, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     assert completion.finish_reason == "length" and len(ids) + len(completion.token_ids) == 40
 
