@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +25,9 @@ import torch
 
 from ninfer.artifact.reader import Artifact
 from ninfer.devices import parse_device
+from ninfer.engine.output import Completion, OutputPipeline
 from ninfer.errors import NinferError
-from ninfer.frontend import (
-    ChatTemplate,
-    ContentDelta,
-    IncrementalDetokenizer,
-    OutputParser,
-    ReasoningDelta,
-    StopMatcher,
-    Tokenizer,
-    ToolCall,
-)
-from ninfer.kernels.sampling import make_generator, sample_next
+from ninfer.frontend import ChatTemplate, Tokenizer
 from ninfer.model.qwen3_5 import Qwen35Model
 from ninfer.sampling import SamplingParams
 
@@ -48,34 +39,6 @@ Prompt = str | Messages | Sequence[int]
 
 class PromptTooLongError(NinferError):
     """The prompt (plus one generated token) does not fit in the context."""
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        # the first token comes from the prefill's logits; each later one costs a decode step
-        steps = max(0, self.generated_tokens - 1)
-        return steps / self.decode_seconds if self.decode_seconds else 0.0
-
-
-@dataclass
-class Completion:
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "stop" (eos, stop id or stop string) or "length"
-    stats: GenerationStats = field(default_factory=GenerationStats)
 
 
 @dataclass
@@ -140,32 +103,12 @@ class LLM:
         params = params or self.default_params()
         ids = self.prompt_ids(prompt, raw=raw, thinking=thinking, tools=tools)
         templated = not (raw or (not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt)))
-        if not ids:
-            raise NinferError("the prompt is empty")
-        if len(ids) + 1 > self.max_context:
-            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
-                                     "(the prompt plus at least one generated token)")
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_ids))
-        parser = OutputParser(thinking=templated and thinking, tools_enabled=bool(tools) or templated)
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
-        stops = StopMatcher(list(params.stop))
-        generator = make_generator(params.seed, self.device)
-        completion = Completion()
-        stats = completion.stats
-        stats.prompt_tokens = len(ids)
+        self.check_prompt(ids)
         prompt_tensor = torch.tensor(ids, device=self.device)
-        generated: list[int] = []
-
-        def emit(events: list[Any]) -> Iterator[Any]:
-            for event in events:
-                if isinstance(event, ReasoningDelta):
-                    completion.reasoning += event.text
-                elif isinstance(event, ContentDelta):
-                    completion.text += event.text
-                elif isinstance(event, ToolCall):
-                    completion.tool_calls.append(event)
-                yield event
-
+        output = OutputPipeline(self.tokenizer, params, prompt_tensor, thinking=templated and thinking,
+                                tools_enabled=bool(tools) or templated, device=self.device)
+        stats = output.completion.stats
+        stats.prompt_tokens = len(ids)
         with torch.inference_mode():
             state = self.model.new_state(min(self.max_context, len(ids) + params.max_tokens))
             started = time.perf_counter()
@@ -173,33 +116,23 @@ class LLM:
             _sync(self.device)
             stats.prefill_seconds = time.perf_counter() - started
             started = time.perf_counter()
-            finish, stopped = "length", False
             while True:
-                logits[self.tokenizer.vocab_size :] = float("-inf")  # padding rows of the embedding: no text
-                token = sample_next(logits, params, generator, prompt_tensor,
-                                    torch.tensor(generated, dtype=torch.long, device=self.device))
-                if token in stop_ids:
-                    finish = "stop"
+                yield from output.step(logits, state.capacity - len(ids) - len(output.completion.token_ids))
+                if output.done:
                     break
-                generated.append(token)
-                text, stopped = stops.feed(detokenizer.push(token))
-                yield from emit(parser.feed(text))
-                if stopped:
-                    finish = "stop"
-                    break
-                if len(generated) >= params.max_tokens or len(ids) + len(generated) >= state.capacity:
-                    break
-                logits = self.model.forward(torch.tensor([token], device=self.device), state)
+                logits = self.model.forward(torch.tensor(output.completion.token_ids[-1:], device=self.device), state)
             _sync(self.device)
             stats.decode_seconds = time.perf_counter() - started
-        if not stopped:  # text held back for a possible stop string or an unfinished character is final now
-            tail, stopped = stops.feed(detokenizer.flush())
-            yield from emit(parser.feed(tail if stopped else tail + stops.flush()))
-        yield from emit(parser.finish())
-        completion.token_ids = generated
-        completion.finish_reason = finish
-        stats.generated_tokens = len(generated)
-        yield Finished(completion)
+        stats.generated_tokens = len(output.completion.token_ids)
+        yield Finished(output.completion)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Refuse an empty prompt or one that leaves no room for a generated token."""
+        if not ids:
+            raise NinferError("the prompt is empty")
+        if len(ids) + 1 > self.max_context:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
+                                     "(the prompt plus at least one generated token)")
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, **options: Any) -> Completion:
         """The whole completion of one prompt (see `stream` for the options)."""

@@ -18,6 +18,7 @@ class StopMatcher:
         self._stops = tuple(dict.fromkeys(stop_strings))
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the stream
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add a piece: (text now safe to emit, whether a stop string has completed). After a stop every
@@ -25,8 +26,9 @@ class StopMatcher:
         if self.stopped:
             return "", True
         buffer = self._held + text
-        cut = self._first_match(buffer)
-        if cut is not None:
+        match = self._first_match(buffer)
+        if match is not None:
+            cut, self.matched = match
             self._held = ""
             self.stopped = True
             return buffer[:cut], True
@@ -39,14 +41,14 @@ class StopMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, buffer: str) -> int | None:
-        """Start of the stop string that completes first in `buffer`, or None."""
-        best: tuple[int, int] | None = None  # (end, start)
+    def _first_match(self, buffer: str) -> tuple[int, str] | None:
+        """(start, stop string) of the stop string that completes first in `buffer`, or None."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._stops:
             start = buffer.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best):
-                best = (start + len(stop), start)
-        return None if best is None else best[1]
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])
 
     def _undecided_suffix(self, buffer: str) -> int:
         """Length of the longest suffix of `buffer` that is a proper prefix of a stop string."""
