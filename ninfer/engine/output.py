@@ -53,6 +53,18 @@ class Completion:
     stop_string: str | None = None  # the stop string that ended generation, if one did
     stats: GenerationStats = field(default_factory=GenerationStats)
 
+    @property
+    def prompt_tokens(self) -> int:
+        return self.stats.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.stats.cached_tokens
+
 
 class OutputPipeline:
     """One sequence's sampler and text pipeline. `step(logits)` samples the next token and returns the events it

@@ -1,0 +1,368 @@
+"""The serving engine: a bounded FIFO queue, admission by context budget, continuous batching with chunked prefill
+interleaved with decode, prefix reuse, cancellation; consumed through an async generator per request.
+
+    engine = Engine(llm, max_concurrency=8, max_pending=64)
+    async for event in engine.generate(Request(prompt_ids, params, thinking=True, tools_enabled=False)):
+        ...   # ReasoningDelta / ContentDelta / ToolCall as decided, then Finished(result)
+
+One worker thread owns the model. Each scheduler step gives every running sequence one unit of work: the next
+prefill chunk (at most `prefill_chunk` tokens, so a long prompt never stalls the running streams for long) or one
+decode step, each with its own sampling parameters. Admission is first come, first served: a request enters when a
+running slot is free and the context budget (`kv_capacity` tokens over all running sequences, prompt plus output
+budget reserved up front) has room for it; the queue holds at most `max_pending` requests (more: QueueFullError)
+and a request that waits longer than `queue_timeout` seconds gets QueueTimeoutError. Closing the generator (a
+client that disconnects) cancels the sequence and frees its memory at the next step.
+
+Prefix reuse (PrefixCache): the full sequence state (KV rows, GDN conv and recurrent state) is snapshotted at turn
+boundaries of a prompt (after each `<|im_end|>` and before the generation prompt) — the recurrent state cannot be
+cut back, so a prefix can only be reused where a snapshot was taken. A new request resumes from its longest cached
+boundary and prefills the rest; prefill chunks always break at boundaries, so a reused prefix gives bit-identical
+logits to a fresh prefill. Snapshots live in a bounded LRU pool (on the model's device, spilling to pinned host
+memory), and usage reports the reused tokens as cached.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ninfer.engine.llm import LLM, Finished
+from ninfer.engine.output import Completion, OutputPipeline
+from ninfer.errors import NinferError
+from ninfer.model.qwen3_5 import SequenceState
+from ninfer.sampling import SamplingParams
+
+
+class QueueFullError(NinferError):
+    """The waiting queue already holds `max_pending` requests."""
+
+
+class QueueTimeoutError(NinferError):
+    """The request waited longer than `queue_timeout` seconds for a slot."""
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    thinking: bool = True  # the prompt's generation prompt opened <think>: the output starts as reasoning
+    tools_enabled: bool = False  # parse <tool_call> blocks
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+
+# The result of a request is the Completion of its output pipeline; its `stats` carry the token counts and the
+# queue / prefill / decode timings (cached_tokens: prompt tokens resumed from the prefix cache).
+Result = Completion
+
+
+@dataclass
+class _Snapshot:
+    """A sequence's whole state after `length` prompt tokens (KV rows, conv and recurrent state)."""
+
+    length: int
+    tensors: dict[tuple[str, int], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def to(self, device: torch.device | str, pin: bool = False) -> _Snapshot:
+        moved = {}
+        for key, tensor in self.tensors.items():
+            tensor = tensor.to(device)
+            moved[key] = tensor.pin_memory() if pin else tensor
+        return _Snapshot(self.length, moved)
+
+
+class PrefixCache:
+    """Snapshots of sequence states keyed by the exact token prefix they follow; LRU within two byte budgets:
+    on the model's device, then (CUDA only) in pinned host memory, then dropped."""
+
+    def __init__(self, device: torch.device, device_bytes: int, host_bytes: int):
+        self.device = device
+        self.device_bytes = device_bytes
+        self.host_bytes = host_bytes if device.type == "cuda" else 0
+        self._device: OrderedDict[bytes, _Snapshot] = OrderedDict()
+        self._host: OrderedDict[bytes, _Snapshot] = OrderedDict()
+        self.hits = 0
+
+    @staticmethod
+    def key(ids: list[int]) -> bytes:
+        return hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).digest()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._device or key in self._host
+
+    def put(self, key: bytes, snapshot: _Snapshot) -> None:
+        if snapshot.nbytes > self.device_bytes:
+            return
+        self._device[key] = snapshot
+        self._device.move_to_end(key)
+        while sum(s.nbytes for s in self._device.values()) > self.device_bytes:
+            old_key, old = self._device.popitem(last=False)
+            if self.host_bytes and old.nbytes <= self.host_bytes:
+                self._host[old_key] = old.to("cpu", pin=True)
+        while sum(s.nbytes for s in self._host.values()) > self.host_bytes:
+            self._host.popitem(last=False)
+
+    def get(self, key: bytes) -> _Snapshot | None:
+        if key in self._device:
+            self._device.move_to_end(key)
+            return self._device[key]
+        if key in self._host:
+            snapshot = self._host.pop(key).to(self.device)
+            self.put(key, snapshot)
+            return snapshot
+        return None
+
+    def __len__(self) -> int:
+        return len(self._device) + len(self._host)
+
+
+class _Sequence:
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.request = request
+        self.loop = loop
+        self.queue = queue
+        self.enqueued = time.perf_counter()
+        self.cancelled = False
+        self.finished = False
+        self.state: SequenceState | None = None
+        self.output: OutputPipeline | None = None
+        self.position = 0  # prompt tokens in the state
+        self.chunk_ends: list[int] = []
+        self.boundaries: set[int] = set()
+        self.logits: torch.Tensor | None = None
+        self.reserved = 0
+        self.prefill_started = 0.0
+        self.decode_started = 0.0
+
+    def send(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is left to tell
+            self.cancelled = True
+
+
+class Engine:
+    """See the module docstring."""
+
+    def __init__(self, llm: LLM, *, max_concurrency: int = 8, max_pending: int = 64, queue_timeout: float = 60.0,
+                 prefill_chunk: int = 256, kv_capacity: int | None = None, prefix_cache_bytes: int = 256 << 20,
+                 host_cache_bytes: int = 1 << 30):
+        if max_concurrency < 1 or max_pending < 0 or prefill_chunk < 1:
+            raise ValueError("max_concurrency and prefill_chunk must be positive, max_pending non-negative")
+        self.llm = llm
+        self.max_concurrency = max_concurrency
+        self.max_pending = max_pending
+        self.queue_timeout = queue_timeout
+        self.prefill_chunk = prefill_chunk
+        self.kv_capacity = kv_capacity or max_concurrency * llm.max_context
+        self.cache = PrefixCache(llm.device, prefix_cache_bytes, host_cache_bytes)
+        im_end = llm.tokenizer.token_id("<|im_end|>")
+        self._boundary_ids = {im_end} if im_end is not None else set()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._reserved = 0
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="ninfer-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def stats(self) -> dict[str, int]:
+        with self._wake:
+            return {"running": len(self._running), "waiting": len(self._waiting), "reserved_tokens": self._reserved,
+                    "cached_prefixes": len(self.cache), "prefix_hits": self.cache.hits}
+
+    # -- requests ----------------------------------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> AsyncIterator[Any]:
+        """Events of one request (see the module docstring); raises QueueFullError, QueueTimeoutError or
+        PromptTooLongError before the first event."""
+        self.llm.check_prompt(request.prompt_ids)
+        budget = min(self.llm.max_context, len(request.prompt_ids) + request.params.max_tokens)
+        if budget > self.kv_capacity:
+            raise QueueFullError(f"the request needs {budget} context tokens; the engine holds {self.kv_capacity}")
+        sequence = _Sequence(request, asyncio.get_running_loop(), asyncio.Queue())
+        with self._wake:
+            if len(self._waiting) >= self.max_pending and len(self._running) >= self.max_concurrency:
+                raise QueueFullError(f"the queue is full ({self.max_pending} waiting requests)")
+            self._waiting.append(sequence)
+            self._wake.notify_all()
+        try:
+            while True:
+                item = await sequence.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            if not sequence.finished:
+                with self._wake:
+                    sequence.cancelled = True
+                    self._wake.notify_all()
+
+    # -- the worker --------------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    if self._stop:
+                        break
+                    self._admit()
+                    if not self._running:
+                        self._wake.wait(timeout=0.05)
+                        continue
+                    running = list(self._running)
+                for sequence in running:
+                    if sequence.cancelled:
+                        self._release(sequence)
+                        continue
+                    try:
+                        self._advance(sequence)
+                    except Exception as exc:  # a failing request must not stop the engine
+                        sequence.send(exc)
+                        self._release(sequence)
+        for sequence in list(self._running) + list(self._waiting):
+            sequence.send(NinferError("the engine is shutting down"))
+
+    def _admit(self) -> None:
+        """FIFO admission under the lock: expire and drop cancelled waiters, then admit from the front while a
+        slot and the context budget allow."""
+        now = time.perf_counter()
+        for sequence in list(self._waiting):
+            if sequence.cancelled:
+                self._waiting.remove(sequence)
+            elif now - sequence.enqueued > self.queue_timeout:
+                self._waiting.remove(sequence)
+                sequence.finished = True
+                sequence.send(QueueTimeoutError(f"waited more than {self.queue_timeout:g} s for a free slot"))
+        while self._waiting and len(self._running) < self.max_concurrency:
+            sequence = self._waiting[0]
+            request = sequence.request
+            need = min(self.llm.max_context, len(request.prompt_ids) + request.params.max_tokens)
+            if self._reserved + need > self.kv_capacity:
+                break
+            self._waiting.popleft()
+            sequence.reserved = need
+            self._reserved += need
+            self._start(sequence, need)
+            self._running.append(sequence)
+
+    def _start(self, sequence: _Sequence, capacity: int) -> None:
+        request = sequence.request
+        ids = request.prompt_ids
+        llm = self.llm
+        sequence.state = llm.model.new_state(capacity)
+        sequence.output = OutputPipeline(llm.tokenizer, request.params, torch.tensor(ids, device=llm.device),
+                                         thinking=request.thinking, tools_enabled=request.tools_enabled,
+                                         device=llm.device)
+        sequence.output.completion.stats.prompt_tokens = len(ids)
+        sequence.output.completion.stats.queue_seconds = time.perf_counter() - sequence.enqueued
+        # turn boundaries: right after each <|im_end|> (never the whole prompt: its last logits are needed)
+        sequence.boundaries = {i + 1 for i, t in enumerate(ids[:-1]) if t in self._boundary_ids}
+        ends = set(sequence.boundaries) | set(range(self.prefill_chunk, len(ids), self.prefill_chunk)) | {len(ids)}
+        sequence.chunk_ends = sorted(ends)
+        for boundary in sorted(sequence.boundaries, reverse=True):
+            snapshot = self.cache.get(PrefixCache.key(ids[:boundary]))
+            if snapshot is not None:
+                self._restore(sequence.state, snapshot)
+                sequence.position = boundary
+                sequence.output.completion.stats.cached_tokens = boundary
+                self.cache.hits += 1
+                break
+        sequence.prefill_started = time.perf_counter()
+
+    def _release(self, sequence: _Sequence) -> None:
+        with self._wake:
+            if sequence in self._running:
+                self._running.remove(sequence)
+                self._reserved -= sequence.reserved
+            sequence.state = None  # frees the KV and recurrent state
+            sequence.finished = True
+            self._wake.notify_all()
+
+    def _advance(self, sequence: _Sequence) -> None:
+        """One unit of work: the next prefill chunk, or one decode step."""
+        model = self.llm.model
+        ids = sequence.request.prompt_ids
+        state, output = sequence.state, sequence.output
+        assert state is not None and output is not None
+        if sequence.position < len(ids):
+            end = next(e for e in sequence.chunk_ends if e > sequence.position)
+            chunk = torch.tensor(ids[sequence.position : end], device=self.llm.device)
+            logits = model.forward(chunk, state)
+            sequence.position = end
+            if end in sequence.boundaries:
+                key = PrefixCache.key(ids[:end])
+                if key not in self.cache:
+                    self.cache.put(key, self._snapshot(state))
+            if end == len(ids):
+                sequence.logits = logits
+                _sync(self.llm.device)
+                output.completion.stats.prefill_seconds = time.perf_counter() - sequence.prefill_started
+                sequence.decode_started = time.perf_counter()
+            return
+        free = state.capacity - state.length
+        for event in output.step(sequence.logits, free):
+            sequence.send(event)
+        if output.done:
+            stats = output.completion.stats
+            stats.generated_tokens = len(output.completion.token_ids)
+            stats.decode_seconds = time.perf_counter() - sequence.decode_started
+            sequence.finished = True
+            sequence.send(Finished(output.completion))
+            self._release(sequence)
+            return
+        token = torch.tensor(output.completion.token_ids[-1:], device=self.llm.device)
+        sequence.logits = model.forward(token, state)
+
+    def _snapshot(self, state: SequenceState) -> _Snapshot:
+        tensors: dict[tuple[str, int], torch.Tensor] = {}
+        for layer, keys in state.keys.items():
+            tensors[("keys", layer)] = keys[: state.length].clone()
+            tensors[("values", layer)] = state.values[layer][: state.length].clone()
+        for kind, states in (("conv", state.conv), ("recurrent", state.recurrent)):
+            for layer, tensor in states.items():
+                if tensor is not None:
+                    tensors[(kind, layer)] = tensor.clone()
+        return _Snapshot(state.length, tensors)
+
+    @staticmethod
+    def _restore(state: SequenceState, snapshot: _Snapshot) -> None:
+        for (kind, layer), tensor in snapshot.tensors.items():
+            if kind in ("keys", "values"):
+                getattr(state, kind)[layer][: snapshot.length] = tensor
+            else:
+                getattr(state, kind)[layer] = tensor.clone()
+        state.length = snapshot.length
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

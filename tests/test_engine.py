@@ -1,0 +1,143 @@
+"""The serving engine: continuous batching gives each request its single-request output; admission, queue
+limits, cancellation; prefix reuse with logits bit-identical to a fresh prefill."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from ninfer.engine.llm import LLM, Finished
+from ninfer.engine.scheduler import Engine, PrefixCache, QueueFullError, QueueTimeoutError, Request
+from ninfer.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM()
+
+
+def _chat(llm: LLM, system: str, *turns: str) -> list[int]:
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return llm.prompt_ids(messages)
+
+
+async def _collect(engine: Engine, request: Request):
+    async for event in engine.generate(request):
+        if isinstance(event, Finished):
+            return event.completion
+    raise AssertionError("no Finished event")
+
+
+def test_concurrent_requests_each_get_their_single_request_output(llm):
+    prompts = [llm.tokenizer.encode(f"def function_{i}(x):\n    ") for i in range(8)]
+    expected = [llm.generate(ids, GREEDY).token_ids for ids in prompts]
+    engine = Engine(llm, max_concurrency=8, prefill_chunk=4).start()
+    try:
+        async def main():
+            return await asyncio.gather(*(_collect(engine, Request(ids, GREEDY, thinking=False)) for ids in prompts))
+
+        results = asyncio.run(main())
+    finally:
+        engine.close()
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason == "length" and r.prompt_tokens == len(p) for r, p in zip(results, prompts, strict=True))
+
+
+def test_cancelling_a_stream_frees_its_sequence(llm):
+    engine = Engine(llm, max_concurrency=2).start()
+    params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+
+    async def main():
+        stream = engine.generate(Request(llm.tokenizer.encode("import os\n"), params, thinking=False))
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.aclose()
+        for _ in range(200):
+            if engine.stats()["running"] == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    try:
+        assert asyncio.run(main())
+        assert engine.stats()["reserved_tokens"] == 0
+    finally:
+        engine.close()
+
+
+def test_a_full_queue_refuses_and_a_long_wait_times_out(llm):
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    ids = llm.tokenizer.encode("class A:\n")
+
+    async def main(engine: Engine, expect: type[Exception]):
+        first = engine.generate(Request(ids, long, thinking=False))
+        await first.__anext__()  # running now
+        waiting = asyncio.ensure_future(_collect(engine, Request(ids, GREEDY, thinking=False)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(expect):
+            await _collect(engine, Request(ids, GREEDY, thinking=False))
+        await first.aclose()
+        if expect is QueueFullError:  # the waiter is served once the first request is cancelled
+            assert len((await waiting).token_ids) == GREEDY.max_tokens
+        else:
+            with pytest.raises(QueueTimeoutError):
+                await waiting
+
+    engine = Engine(llm, max_concurrency=1, max_pending=1).start()
+    try:
+        asyncio.run(main(engine, QueueFullError))
+    finally:
+        engine.close()
+    engine = Engine(llm, max_concurrency=1, max_pending=4, queue_timeout=0.1).start()
+    try:
+        asyncio.run(main(engine, QueueTimeoutError))
+    finally:
+        engine.close()
+
+
+def test_prefix_reuse_across_clients_and_turns_gives_identical_logits(llm):
+    system = "You are a careful Python reviewer. " * 8
+    first = _chat(llm, system, "Review: def f(): pass")
+    second = _chat(llm, system, "Review: class B: ...")
+    third = _chat(llm, system, "Review: def f(): pass", "It is fine.", "And now: import os")
+    engine = Engine(llm, max_concurrency=2, prefill_chunk=16).start()
+    try:
+        results = [asyncio.run(_collect(engine, Request(ids, GREEDY))) for ids in (first, second, third)]
+    finally:
+        engine.close()
+    im_end = llm.tokenizer.token_id("<|im_end|>")
+    system_end = first.index(im_end) + 1
+    assert results[0].cached_tokens == 0
+    assert results[1].cached_tokens == system_end  # the shared system block
+    user_end = system_end + first[system_end:].index(im_end) + 1
+    assert results[2].cached_tokens == user_end  # the first turn of the chat
+    assert engine.stats()["prefix_hits"] == 2
+    for ids, result in zip((second, third), results[1:], strict=True):
+        assert result.token_ids == llm.generate(ids, GREEDY).token_ids
+        # logits after resuming from the snapshot equal those of a fresh prefill with the same chunk plan
+        boundary = result.cached_tokens
+        ends = sorted({i + 1 for i, t in enumerate(ids[:-1]) if t == im_end} | set(range(16, len(ids), 16))
+                      | {len(ids)})
+        model = llm.model
+        with torch.no_grad():
+            fresh = model.new_state(len(ids))
+            start = 0
+            for end in ends:
+                fresh_logits = model.forward(torch.tensor(ids[start:end]), fresh)
+                start = end
+            resumed = model.new_state(len(ids))
+            Engine._restore(resumed, engine.cache.get(PrefixCache.key(ids[:boundary])))
+            start = boundary
+            for end in (e for e in ends if e > boundary):
+                resumed_logits = model.forward(torch.tensor(ids[start:end]), resumed)
+                start = end
+        assert torch.equal(fresh_logits, resumed_logits)
