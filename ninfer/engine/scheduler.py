@@ -176,6 +176,27 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
 
+    @staticmethod
+    def plan_kv_capacity(llm: LLM, max_concurrency: int, margin: float = 0.1) -> int:
+        """`--kv-capacity auto`: context tokens for all running sequences. On the CPU, every sequence may use the
+        full context. On CUDA, what the free device memory holds after a `margin` fraction is kept back: KV rows
+        of the attention layers per token, plus each sequence's fixed GDN conv and recurrent state."""
+        ceiling = max_concurrency * llm.max_context
+        if llm.device.type != "cuda":
+            return ceiling
+        c = llm.model.config
+        element = torch.empty((), dtype=llm.dtype).element_size()
+        attention_layers = sum(1 for t in c.layer_types if t == "full_attention")
+        per_token = attention_layers * 2 * c.kv_heads * c.head_dim * element
+        gdn_layers = c.layers - attention_layers
+        per_sequence = gdn_layers * (c.v_heads * c.k_dim * c.v_dim * 4 + c.conv_dim * (c.conv_kernel - 1) * element)
+        free, _ = torch.cuda.mem_get_info(llm.device)
+        usable = int(free * (1 - margin)) - max_concurrency * per_sequence
+        if usable <= per_token * llm.max_context:
+            raise NinferError(f"only {free / 2**30:.1f} GiB of device memory is free: not enough for one sequence "
+                              f"of {llm.max_context} tokens; lower --max-context or --max-concurrency")
+        return min(ceiling, usable // per_token)
+
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     def start(self) -> Engine:
