@@ -30,6 +30,7 @@ import torch
 
 from ninfer.convert.source import TensorSource, matrix_rows
 from ninfer.errors import ConversionError
+from ninfer.model.config import ModelConfigError, TextConfig
 
 ARCHITECTURES = {  # architecture -> mixture of experts?
     "Qwen3_5ForCausalLM": False,
@@ -94,46 +95,6 @@ def _require(config: dict[str, Any], key: str, where: str) -> Any:
     return config[key]
 
 
-@dataclass
-class _Dims:
-    hidden: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    k_heads: int
-    v_heads: int
-    k_dim: int
-    v_dim: int
-    conv: int
-    intermediate: int = 0
-    experts: int = 0
-    expert_width: int = 0
-    shared_width: int = 0
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any], moe: bool, where: str) -> _Dims:
-        def get(key: str) -> int:
-            return int(_require(cfg, key, where))
-
-        dims = cls(get("hidden_size"), get("vocab_size"), get("num_attention_heads"), get("num_key_value_heads"),
-                   get("head_dim"), get("linear_num_key_heads"), get("linear_num_value_heads"),
-                   get("linear_key_head_dim"), get("linear_value_head_dim"), get("linear_conv_kernel_dim"))
-        if moe:
-            dims.experts = get("num_experts")
-            dims.expert_width = get("moe_intermediate_size")
-            dims.shared_width = get("shared_expert_intermediate_size")
-        else:
-            dims.intermediate = get("intermediate_size")
-        if dims.v_heads % dims.k_heads:
-            raise ConversionError(f"config.json: linear_num_value_heads {dims.v_heads} is not a multiple of "
-                                  f"linear_num_key_heads {dims.k_heads}")
-        if dims.heads % dims.kv_heads:
-            raise ConversionError(f"config.json: num_attention_heads {dims.heads} is not a multiple of "
-                                  f"num_key_value_heads {dims.kv_heads}")
-        return dims
-
-
 def resolve_layer_types(cfg: dict[str, Any]) -> list[str]:
     """Explicit `layer_types` wins; otherwise every `full_attention_interval`-th layer (default 4) is attention."""
     count = int(_require(cfg, "num_hidden_layers", "text config "))
@@ -148,7 +109,7 @@ def resolve_layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 class _Planner:
-    def __init__(self, source: TensorSource, dims: _Dims, moe: bool):
+    def __init__(self, source: TensorSource, dims: TextConfig, moe: bool):
         self.source = source
         self.dims = dims
         self.moe = moe
@@ -216,8 +177,8 @@ class _Planner:
                                        (Piece(qkv, 2 * key_rows, conv_dim), Piece(z, 0, value_rows))))
         self.matrix(f"{dst}gdn/a_b_projection", "gdn.a_b", [(f"{src}in_proj_a.weight", (d.v_heads, d.hidden)),
                                                              (f"{src}in_proj_b.weight", (d.v_heads, d.hidden))])
-        conv = self.tensor(f"{src}conv1d.weight", (conv_dim, 1, d.conv))
-        self.objects.append(ObjectPlan(f"{dst}gdn/convolution", (conv_dim, d.conv), "gdn.conv",
+        conv = self.tensor(f"{src}conv1d.weight", (conv_dim, 1, d.conv_kernel))
+        self.objects.append(ObjectPlan(f"{dst}gdn/convolution", (conv_dim, d.conv_kernel), "gdn.conv",
                                        (Piece(conv, 0, conv_dim),)))
         self.vector(f"{dst}gdn/a_log", "gdn.decay", f"{src}A_log", d.v_heads)
         self.vector(f"{dst}gdn/dt_bias", "gdn.decay", f"{src}dt_bias", d.v_heads)
@@ -302,8 +263,13 @@ def plan_qwen3_5(config: dict[str, Any], source: TensorSource) -> ModelPlan:
     moe = ARCHITECTURES[architecture]
     text_cfg = config.get("text_config", config)
     where = "text_config." if "text_config" in config else ""
-    dims = _Dims.from_config(text_cfg, moe, where)
     layer_types = resolve_layer_types(text_cfg)
+    try:
+        dims = TextConfig.from_dict({**text_cfg, "layer_types": layer_types})
+    except ModelConfigError as exc:
+        raise ConversionError(f"config.json ({where.rstrip('.') or 'the text config'}): {exc}") from None
+    if dims.moe != moe:
+        raise ConversionError(f"config.json: {architecture} {'needs' if moe else 'must not have'} num_experts")
     names = source.names()
     official = any(n.startswith("model.language_model.") for n in names)
     prefix = "model.language_model." if official else "model."

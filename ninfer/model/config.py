@@ -68,7 +68,7 @@ class TextConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"hidden_act {act!r} is not supported (Qwen3.5 uses silu)")
-        return cls(
+        config = cls(
             hidden=int(need("hidden_size")), vocab=int(need("vocab_size")), layer_types=layer_types,
             heads=int(need("num_attention_heads")), kv_heads=int(need("num_key_value_heads")), head_dim=head_dim,
             k_heads=int(need("linear_num_key_heads")), v_heads=int(need("linear_num_value_heads")),
@@ -83,3 +83,10 @@ class TextConfig:
             expert_width=int(cfg.get("moe_intermediate_size", 0)),
             shared_width=int(cfg.get("shared_expert_intermediate_size", 0)),
         )
+        if config.v_heads % config.k_heads:
+            raise ModelConfigError(f"linear_num_value_heads {config.v_heads} is not a multiple of "
+                                   f"linear_num_key_heads {config.k_heads}")
+        if config.heads % config.kv_heads:
+            raise ModelConfigError(f"num_attention_heads {config.heads} is not a multiple of "
+                                   f"num_key_value_heads {config.kv_heads}")
+        return config
