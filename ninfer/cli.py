@@ -1,4 +1,4 @@
-"""The `ninfer` command: run, convert, synth, inspect, verify, ppl, kl.
+"""The `ninfer` command: run, serve, convert, synth, inspect, verify, ppl, kl.
 
 Results go to stdout, progress and errors to stderr; an error is one line and a non-zero exit code
 (2 for bad input to convert / synth and bad flags, 1 for an unsound artifact).
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     _add_run_parser(commands)
+    _add_serve_parser(commands)
     _add_eval_parsers(commands)
 
     convert = commands.add_parser("convert", help="convert a Hugging Face Qwen3.5 checkpoint folder")
@@ -115,6 +116,14 @@ def _add_run_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--print-token-ids", action="store_true", help="print the generated ids after the text")
 
 
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    from ninfer.serve.main import add_arguments
+
+    serve = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (with no MODEL: the "
+                                              "embedded demo model)")
+    add_arguments(serve, _positive_int)
+
+
 def _add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     ppl = commands.add_parser("ppl", help="perplexity of a model on a text file (windowed, teacher-forced)")
     ppl.add_argument("model", type=Path, help="a .ninfer artifact")
@@ -149,6 +158,10 @@ def _run(args: argparse.Namespace) -> int:
         from ninfer.run import run_command
 
         return run_command(args)
+    if args.command == "serve":
+        from ninfer.serve.main import serve_command
+
+        return serve_command(args)
     if args.command in ("ppl", "kl"):
         from ninfer.eval.perplexity import kl_command, ppl_command
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ninfer.engine.llm import LLM, Finished
+from ninfer.engine.llm import LLM, Finished, PromptTooLongError
 from ninfer.engine.output import Completion, OutputPipeline
 from ninfer.errors import NinferError
 from ninfer.model.qwen3_5 import SequenceState
@@ -47,6 +47,10 @@ class QueueFullError(NinferError):
 
 class QueueTimeoutError(NinferError):
     """The request waited longer than `queue_timeout` seconds for a slot."""
+
+
+class EngineClosedError(NinferError):
+    """The engine is shutting down and takes no more work."""
 
 
 @dataclass
@@ -224,9 +228,11 @@ class Engine:
         """Events of one request (see the module docstring); raises QueueFullError, QueueTimeoutError or
         PromptTooLongError before the first event."""
         self.llm.check_prompt(request.prompt_ids)
-        budget = min(self.llm.max_context, len(request.prompt_ids) + request.params.max_tokens)
-        if budget > self.kv_capacity:
-            raise QueueFullError(f"the request needs {budget} context tokens; the engine holds {self.kv_capacity}")
+        if len(request.prompt_ids) + 1 > self.kv_capacity:
+            raise PromptTooLongError(f"the prompt has {len(request.prompt_ids)} tokens; the engine's KV capacity "
+                                     f"is {self.kv_capacity} tokens")
+        if self._stop:
+            raise EngineClosedError("the engine is shutting down")
         sequence = _Sequence(request, asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:
             if len(self._waiting) >= self.max_pending and len(self._running) >= self.max_concurrency:
@@ -270,7 +276,7 @@ class Engine:
                         sequence.send(exc)
                         self._release(sequence)
         for sequence in list(self._running) + list(self._waiting):
-            sequence.send(NinferError("the engine is shutting down"))
+            sequence.send(EngineClosedError("the engine is shutting down"))
 
     def _admit(self) -> None:
         """FIFO admission under the lock: expire and drop cancelled waiters, then admit from the front while a
@@ -286,7 +292,7 @@ class Engine:
         while self._waiting and len(self._running) < self.max_concurrency:
             sequence = self._waiting[0]
             request = sequence.request
-            need = min(self.llm.max_context, len(request.prompt_ids) + request.params.max_tokens)
+            need = self._budget(request)
             if self._reserved + need > self.kv_capacity:
                 break
             self._waiting.popleft()
@@ -294,6 +300,10 @@ class Engine:
             self._reserved += need
             self._start(sequence, need)
             self._running.append(sequence)
+
+    def _budget(self, request: Request) -> int:
+        """Context tokens reserved for a request: prompt plus output budget, within the context and KV capacity."""
+        return min(self.llm.max_context, self.kv_capacity, len(request.prompt_ids) + request.params.max_tokens)
 
     def _start(self, sequence: _Sequence, capacity: int) -> None:
         request = sequence.request

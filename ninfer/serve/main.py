@@ -1,0 +1,130 @@
+"""`ninfer serve`: bind the port, load the artifact, start the engine, then serve HTTP until SIGINT / SIGTERM.
+
+The port is bound before the (slow) model load, so that a port already in use fails at once. On a signal, uvicorn
+stops accepting connections and lets running requests finish for up to `SHUTDOWN_GRACE_SECONDS`; then the engine
+is closed. Logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ninfer.errors import NinferError
+
+SHUTDOWN_GRACE_SECONDS = 10
+log = logging.getLogger("ninfer.serve")
+
+
+def model_id_of(path: Path) -> str:
+    """The id a served artifact answers to by default: its metadata `name`, else the file name without suffix."""
+    from ninfer.artifact.reader import Artifact
+
+    with Artifact.open(path) as artifact:
+        name = artifact.directory.metadata.get("name")
+    return name if isinstance(name, str) and name.strip() else path.stem
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6); NinferError when the address is unusable."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise NinferError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Run the server described by the `ninfer serve` flags; returns the exit code."""
+    import torch
+    import uvicorn
+
+    from ninfer.engine.llm import DEFAULT_ARTIFACT, LLM
+    from ninfer.engine.scheduler import Engine
+    from ninfer.serve.app import ServeConfig, create_app
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = args.model if args.model is not None else DEFAULT_ARTIFACT
+    if not path.is_file():
+        raise NinferError(f"{path}: no such file")
+    sock = bind(args.host, args.port)
+    try:
+        dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        llm = LLM(path, device=args.device, dtype=dtype, max_context=args.max_context)
+        kv_capacity = (Engine.plan_kv_capacity(llm, args.max_concurrency) if args.kv_capacity == "auto"
+                       else args.kv_capacity)
+        engine = Engine(llm, max_concurrency=args.max_concurrency, max_pending=args.max_pending,
+                        queue_timeout=args.queue_timeout, kv_capacity=kv_capacity)
+        config = ServeConfig(model_id=args.model_id or model_id_of(path), api_key=args.api_key,
+                             default_max_tokens=args.default_max_tokens, cors=args.cors,
+                             request_log=args.request_log_jsonl, default_thinking=not args.no_thinking,
+                             max_body_bytes=args.max_body_mib << 20)
+        app = create_app(engine, config)
+        log.info("serving %s as %r on http://%s:%d (device %s, context %d, concurrency %d, kv capacity %d tokens, "
+                 "loaded in %.1f s)", path, config.model_id, args.host, args.port, llm.device, llm.max_context,
+                 args.max_concurrency, engine.kv_capacity, llm.load_seconds)
+        engine.start()
+        try:
+            server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
+                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS))
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the normal way to stop a server
+            log.info("stopped")
+        finally:
+            engine.close()
+    finally:
+        sock.close()
+    return 0
+
+
+def kv_capacity_arg(text: str) -> int | str:
+    """`--kv-capacity`: a positive token count or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a token count") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser, positive_int: Callable[[str], int]) -> None:
+    """The `ninfer serve` flags (`positive_int`: the CLI's positive-integer argument type)."""
+    parser.add_argument("model", nargs="?", type=Path, help="a .ninfer artifact (default: the embedded demo model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (default %(default)s)")
+    parser.add_argument("--model-id", help="the id clients send as `model` (default: the artifact's name)")
+    parser.add_argument("--api-key", help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=8,
+                        help="sequences decoded together (default %(default)s)")
+    parser.add_argument("--max-context", type=positive_int, help="context length (default: the model's)")
+    parser.add_argument("--kv-capacity", type=kv_capacity_arg,
+                        help="context tokens over all running sequences, or 'auto' (from free device memory); "
+                             "default: max-concurrency x max-context")
+    parser.add_argument("--max-pending", type=int, default=64,
+                        help="requests that may wait for a slot; more get 429 (default %(default)s)")
+    parser.add_argument("--queue-timeout", type=float, default=60.0,
+                        help="seconds a request may wait for a slot before a 503 (default %(default)s)")
+    parser.add_argument("--default-max-tokens", type=positive_int, default=1024,
+                        help="output budget of requests that set none (default %(default)s)")
+    parser.add_argument("--max-body-mib", type=positive_int, default=8,
+                        help="largest request body in MiB; larger gets 413 (default %(default)s)")
+    parser.add_argument("--no-thinking", action="store_true", help="thinking off for requests that do not say")
+    parser.add_argument("--cors", action="store_true", help="allow browser clients from any origin")
+    parser.add_argument("--request-log-jsonl", type=Path, metavar="FILE",
+                        help="append one JSON line per request (ids, tokens, timings; never text)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="compute dtype (default auto: fp32 on the CPU, bf16 on CUDA)")
