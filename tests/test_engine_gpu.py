@@ -1,0 +1,55 @@
+"""The serving engine on CUDA (`pytest -m gpu` on the GPU machine): prefix snapshots spill to pinned host memory
+and come back exactly; concurrent requests equal single-request runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from ninfer.engine.llm import LLM, Finished
+from ninfer.engine.scheduler import Engine, PrefixCache, Request, _Snapshot
+from ninfer.sampling import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_prefix_cache_spills_to_pinned_host_memory_and_restores_exactly():
+    device = torch.device("cuda")
+    snapshots = [_Snapshot(10, {("keys", 3): torch.randn(10, 2, 64, device=device)}) for _ in range(3)]
+    size = snapshots[0].nbytes
+    cache = PrefixCache(device, device_bytes=2 * size, host_bytes=4 * size)
+    for i, snapshot in enumerate(snapshots):
+        cache.put(PrefixCache.key([i]), snapshot)
+    spilled = cache._host[PrefixCache.key([0])]
+    assert spilled.tensors[("keys", 3)].is_pinned()
+    back = cache.get(PrefixCache.key([0]))
+    assert back.tensors[("keys", 3)].device.type == "cuda"
+    assert torch.equal(back.tensors[("keys", 3)], snapshots[0].tensors[("keys", 3)])
+
+
+def test_concurrent_requests_on_cuda_equal_single_runs():
+    llm = LLM(device="cuda", dtype=torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [llm.tokenizer.encode(f"def handler_{i}(event):\n    ") for i in range(8)]
+    expected = [llm.generate(ids, params).token_ids for ids in prompts]
+    engine = Engine(llm, max_concurrency=8, prefill_chunk=4).start()
+
+    async def collect(ids):
+        async for event in engine.generate(Request(ids, params, thinking=False)):
+            if isinstance(event, Finished):
+                return event.completion.token_ids
+
+    try:
+        results = _gather(collect, prompts)
+    finally:
+        engine.close()
+    assert results == expected
+
+
+def _gather(collect, prompts):
+    async def main():
+        return await asyncio.gather(*(collect(ids) for ids in prompts))
+
+    return asyncio.run(main())
