@@ -1,4 +1,4 @@
-"""The `ninfer` command: run, serve, convert, synth, inspect, verify, ppl, kl.
+"""The `ninfer` command: run, bench, serve, convert, synth, inspect, verify, ppl, kl.
 
 Results go to stdout, progress and errors to stderr; an error is one line and a non-zero exit code
 (2 for bad input to convert / synth and bad flags, 1 for an unsound artifact).
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     _add_run_parser(commands)
+    _add_bench_parser(commands)
     _add_serve_parser(commands)
     _add_eval_parsers(commands)
 
@@ -143,6 +144,47 @@ def _add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
+    return values
+
+
+def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="prefill and decode speed as fractions of this machine's measured "
+                                              "bandwidth and matmul limits")
+    bench.add_argument("model", nargs="?", type=Path, help="a .ninfer artifact (default: the embedded demo model)")
+    bench.add_argument("-p", "--prompt-lengths", type=_int_list, default=[512, 8192],
+                       help="prefill lengths (default 512,8192; capped by the context)")
+    bench.add_argument("-n", "--new-tokens", type=_positive_int, default=128, help="decode steps (default 128)")
+    bench.add_argument("-b", "--batch-sizes", type=_int_list, default=[1, 2, 4, 8], help="default 1,2,4,8")
+    bench.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    bench.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
+    bench.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from ninfer.engine.llm import LLM
+    from ninfer.eval.bench import format_report, report_json, run_bench
+
+    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if args.model is not None and not args.model.is_file():
+        raise NinferError(f"{args.model}: no such file")
+    llm = LLM(args.model, device=args.device, dtype=dtype)
+    lengths = [min(p, llm.max_context - args.new_tokens - 1) for p in args.prompt_lengths]
+    if min(lengths) < 1:
+        raise NinferError(f"--new-tokens {args.new_tokens} leaves no room for a prompt in {llm.max_context}")
+    report = run_bench(llm, sorted(set(lengths)), args.new_tokens, args.batch_sizes)
+    print(json.dumps(report_json(report), indent=1) if args.json else format_report(report))
+    return 0
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
@@ -158,6 +200,8 @@ def _run(args: argparse.Namespace) -> int:
         from ninfer.run import run_command
 
         return run_command(args)
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "serve":
         from ninfer.serve.main import serve_command
 

@@ -1,0 +1,172 @@
+"""`ninfer bench`: prefill and decode speed of an artifact, each as a fraction of the machine's own limit measured
+in the same run.
+
+Limits (METHOD: write the floor first):
+  * read bandwidth — the time to reduce a large buffer (bytes read once) — bounds decode: a decode step must read
+    every weight once, plus the KV rows and the recurrent state of each sequence;
+  * matmul rate — a large square matmul in the compute dtype — bounds prefill: 2 FLOPs per weight per token
+    plus the attention scores.
+Decode fraction = (bytes read per step / measured bandwidth) / measured step time; prefill fraction =
+(FLOPs / measured rate) / measured time. Today the engine runs the torch reference model (weights decoded to the
+compute dtype at load, one sequence per forward), so "bytes read" counts the weights as held in memory; batch
+sizes above 1 run their sequences one after another within each step, as the serving engine does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ninfer.engine.llm import LLM
+from ninfer.errors import NinferError
+from ninfer.model.config import FULL_ATTENTION
+
+
+@dataclass
+class Limits:
+    device: str
+    read_bytes_per_second: float
+    matmul_flops_per_second: float
+    dtype: str
+
+
+@dataclass
+class BenchReport:
+    model: str
+    limits: Limits
+    weight_bytes: int
+    prefill: list[dict[str, float]] = field(default_factory=list)
+    decode: list[dict[str, float]] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, work, repeats: int = 5) -> float:
+    """Median seconds of `work()` after one warm-up call."""
+    work()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_limits(device: torch.device, dtype: torch.dtype) -> Limits:
+    """The read bandwidth (sum over a buffer several times the last-level cache) and the matmul rate."""
+    gpu = device.type == "cuda"
+    bandwidth = _read_bandwidth(device, (1 << 30) if gpu else (1 << 27))
+    n = 8192 if gpu else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = _timed(device, lambda: a @ b)
+    return Limits(str(device), bandwidth, 2 * n**3 / seconds, str(dtype).removeprefix("torch."))
+
+
+def _read_bandwidth(device: torch.device, nbytes: int) -> float:
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return nbytes / _timed(device, buffer.sum)
+
+
+def _state_bytes(llm: LLM, length: int) -> int:
+    """Bytes a decode step reads from one sequence's state at `length` tokens: KV rows of the attention layers
+    and the fp32 recurrent plus conv state of the GDN layers."""
+    c = llm.model.config
+    element = torch.empty((), dtype=llm.dtype).element_size()
+    attention = sum(1 for t in c.layer_types if t == FULL_ATTENTION)
+    gdn = c.layers - attention
+    return (attention * 2 * length * c.kv_heads * c.head_dim * element
+            + gdn * (c.v_heads * c.k_dim * c.v_dim * 4 + c.conv_dim * (c.conv_kernel - 1) * element))
+
+
+def _prefill_flops(llm: LLM, tokens: int) -> float:
+    c = llm.model.config
+    matmul_weights = sum(t.numel() for name, t in llm.model.weights.items()
+                         if t.dim() == 2 and name != "token_embedding" and not name.endswith("convolution"))
+    if c.moe:  # only top_k of the experts work per token
+        routed = sum(t.numel() for name, t in llm.model.weights.items() if "/moe/routed_" in name)
+        matmul_weights -= routed * (1 - c.top_k / c.experts)
+    attention_layers = sum(1 for t in c.layer_types if t == FULL_ATTENTION)
+    scores = attention_layers * 2 * 2 * c.heads * c.head_dim * tokens * tokens / 2  # causal QK^T and PV
+    return 2 * matmul_weights * tokens + scores
+
+
+def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes: list[int],
+              limits: Limits | None = None) -> BenchReport:
+    device = llm.device
+    limits = limits or measure_limits(device, llm.dtype)
+    model = llm.model
+    vocab = llm.tokenizer.vocab_size
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.weights.values())
+    report = BenchReport(str(llm.path), limits, weight_bytes)
+    generator = torch.Generator().manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        for length in prompt_lengths:
+            if length + new_tokens > llm.max_context:
+                raise NinferError(f"prompt {length} + {new_tokens} new tokens exceed the context {llm.max_context}")
+            ids = torch.randint(0, vocab, (length,), generator=generator).to(device)
+            seconds = _timed(device, lambda ids=ids, n=length: model.forward(ids, model.new_state(n)), repeats=3)
+            floor = _prefill_flops(llm, length) / limits.matmul_flops_per_second
+            report.prefill.append({"tokens": length, "seconds": seconds, "tokens_per_second": length / seconds,
+                                   "fraction_of_matmul_limit": floor / seconds})
+        context = min(prompt_lengths)
+        for batch in batch_sizes:
+            states, tokens = [], []
+            for _ in range(batch):
+                state = model.new_state(context + new_tokens + 1)
+                ids = torch.randint(0, vocab, (context,), generator=generator).to(device)
+                tokens.append(int(torch.argmax(model.forward(ids, state))))
+                states.append(state)
+            _sync(device)
+            started = time.perf_counter()
+            for _ in range(new_tokens):
+                for i, state in enumerate(states):
+                    tokens[i] = int(torch.argmax(model.forward(torch.tensor([tokens[i]], device=device), state)))
+            _sync(device)
+            seconds = time.perf_counter() - started
+            step_bytes = weight_bytes + batch * _state_bytes(llm, context + new_tokens // 2)
+            floor = step_bytes / limits.read_bytes_per_second
+            report.decode.append({"batch": batch, "context": context, "new_tokens": new_tokens,
+                                  "seconds_per_step": seconds / new_tokens,
+                                  "tokens_per_second": batch * new_tokens / seconds,
+                                  "bytes_per_step": step_bytes,
+                                  "fraction_of_bandwidth_limit": floor / (seconds / new_tokens)})
+    if device.type == "cuda":
+        report.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+    return report
+
+
+def format_report(report: BenchReport) -> str:
+    lim = report.limits
+    lines = [f"{report.model} on {lim.device}: weights {report.weight_bytes / 2**20:.1f} MiB as held in memory",
+             f"limits measured now: read {lim.read_bytes_per_second / 1e9:.1f} GB/s, "
+             f"{lim.dtype} matmul {lim.matmul_flops_per_second / 1e12:.2f} TFLOP/s",
+             "prefill  tokens   tok/s      fraction of the matmul limit"]
+    for row in report.prefill:
+        lines.append(f"         {row['tokens']:>6}  {row['tokens_per_second']:>9.1f}  "
+                     f"{row['fraction_of_matmul_limit']:.3f}")
+    lines.append("decode   batch    tok/s      ms/step   fraction of the bandwidth limit")
+    for row in report.decode:
+        lines.append(f"         {row['batch']:>6}  {row['tokens_per_second']:>9.1f}  "
+                     f"{1000 * row['seconds_per_step']:>8.2f}   {row['fraction_of_bandwidth_limit']:.3f}")
+    if report.peak_memory_bytes:
+        lines.append(f"peak device memory {report.peak_memory_bytes / 2**30:.2f} GiB")
+    return "\n".join(lines)
+
+
+def report_json(report: BenchReport) -> dict[str, Any]:
+    data = asdict(report)
+    data["limits"] = asdict(report.limits)
+    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in data.items()}
