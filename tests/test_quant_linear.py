@@ -1,11 +1,9 @@
 """The Triton groupwise GEMV against the exact reference (decode + fp32 matmul), under the Triton interpreter on
-the CPU; the same test runs on CUDA with `pytest -m gpu` at real shapes (tests/test_quant_linear_gpu.py)."""
+the CPU (tests/conftest.py switches it on); real shapes on CUDA are in tests/test_quant_linear_gpu.py."""
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CI has no GPU
 
 import pytest
 import torch

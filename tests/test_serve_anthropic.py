@@ -6,24 +6,28 @@ round trips, stop sequences, prefill, and every error status in Anthropic's shap
 from __future__ import annotations
 
 import json
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
-import torch
-import uvicorn
 
-from ninfer.engine.llm import LLM, Finished
-from ninfer.engine.output import Completion
+from ninfer.engine.llm import LLM
 from ninfer.engine.scheduler import Engine
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
 from ninfer.sampling import SamplingParams
 from ninfer.serve.app import ServeConfig, create_app
+from tests.serve_support import (
+    Loopback,
+    ScriptedEngine,
+    greedy,
+    one_slot_taken,
+    running_engine,
+    single_thread_llm,
+    wait_until,
+)
 
 MODEL = "claude-test"  # echoed, never checked
 KEY = "sk-ant-test"
@@ -41,75 +45,21 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "descriptio
                                                   "parameters": t["input_schema"]}} for t in TOOLS]
 
 
-class Loopback:
-    """A uvicorn server for `app` on a free 127.0.0.1 port, in a background thread."""
-
-    def __init__(self, app: Any):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the loopback server did not start"
-            time.sleep(0.01)
-
-    def client(self, key: str = KEY) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key=key, max_retries=0, timeout=60)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-class ScriptedEngine:
-    """Stands in for Engine: answers every request with the same events (an exception in the script is raised)."""
-
-    def __init__(self, llm: LLM, script: list[Any]):
-        self.llm = llm
-        self.script = script
-
-    def stats(self) -> dict[str, int]:
-        return {"running": 0, "waiting": 0}
-
-    async def generate(self, request: Any) -> Any:
-        completion = Completion(finish_reason="stop", token_ids=[1, 2, 3])
-        completion.stats.prompt_tokens = len(request.prompt_ids)
-        completion.stats.generated_tokens = 3
-        for event in self.script:
-            if isinstance(event, Exception):
-                raise event
-            yield event
-        yield Finished(completion)
+llm = pytest.fixture(scope="module", name="llm")(single_thread_llm)
+engine = pytest.fixture(scope="module", name="engine")(running_engine)
 
 
 @pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model is fastest on one thread; more only contend on a busy machine
-    yield LLM()
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def server(llm: LLM) -> Iterator[Loopback]:
-    engine = Engine(llm, max_concurrency=8, max_pending=64).start()
+def server(engine: Engine) -> Iterator[Loopback]:
     loopback = Loopback(create_app(engine, ServeConfig(model_id="served-id", api_key=KEY,
                                                        max_body_bytes=BODY_LIMIT)))
     yield loopback
     loopback.stop()
-    engine.close()
 
 
 @pytest.fixture(scope="module")
 def client(server: Loopback) -> anthropic.Anthropic:
-    return server.client()
-
-
-def greedy(llm: LLM, messages: list[dict], max_tokens: int, **options: Any) -> Completion:
-    return llm.generate(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens), **options)
+    return server.anthropic_client(KEY)
 
 
 def prompt_length(usage: Any) -> int:
@@ -252,7 +202,8 @@ def test_stop_sequences(client: anthropic.Anthropic, server: Loopback, llm: LLM)
     for script, content in (([ContentDelta("Hi.")], [("text", "Hi.")]), ([], [("text", "")])):
         ends = Loopback(create_app(ScriptedEngine(llm, script), ServeConfig(model_id="x")))  # type: ignore
         try:  # the model ends its turn itself (an empty answer still has one text block)
-            ended = ends.client().messages.create(model=MODEL, max_tokens=8, messages=HELLO, stop_sequences=[stop])
+            ended = ends.anthropic_client(KEY).messages.create(model=MODEL, max_tokens=8, messages=HELLO,
+                                                               stop_sequences=[stop])
         finally:
             ends.stop()
         assert [(b.type, b.text) for b in ended.content] == content
@@ -283,9 +234,10 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, llm: LLM) -> None:
              ToolCall("get_time", {"city": "Oslo", "utc": True}, "<tool_call>…</tool_call>")]
     script = [ReasoningDelta("Let me "), ReasoningDelta("look."), ContentDelta("Checking."), *calls]
     scripted = Loopback(create_app(ScriptedEngine(llm, script), ServeConfig(model_id="x")))  # type: ignore
+    scripted_client = scripted.anthropic_client(KEY)
     try:
         question = [{"role": "user", "content": "Weather in Paris, time in Oslo?"}]
-        answer = scripted.client().messages.create(model=MODEL, max_tokens=64, messages=question, tools=TOOLS)
+        answer = scripted_client.messages.create(model=MODEL, max_tokens=64, messages=question, tools=TOOLS)
         assert [b.type for b in answer.content] == ["thinking", "text", "tool_use", "tool_use"]
         assert (answer.content[0].thinking, answer.content[1].text) == ("Let me look.", "Checking.")
         uses = answer.content[2:]
@@ -294,7 +246,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, llm: LLM) -> None:
         assert all(u.id.startswith("toolu_") for u in uses) and uses[0].id != uses[1].id
         assert (answer.stop_reason, answer.stop_sequence) == ("tool_use", None)
 
-        with scripted.client().messages.stream(model=MODEL, max_tokens=64, messages=question, tools=TOOLS) as stream:
+        with scripted_client.messages.stream(model=MODEL, max_tokens=64, messages=question, tools=TOOLS) as stream:
             streamed = stream.get_final_message()
         assert [b.type for b in streamed.content] == ["thinking", "text", "tool_use", "tool_use"]
         assert [(b.name, b.input) for b in streamed.content[2:]] == [(u.name, u.input) for u in uses]
@@ -305,8 +257,8 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, llm: LLM) -> None:
         json_deltas = [p["delta"] for n, p in events if n == "content_block_delta" and p["index"] == 2]
         assert json_deltas == [{"type": "input_json_delta", "partial_json": '{"city": "Paris"}'}]
 
-        single = scripted.client().messages.create(model=MODEL, max_tokens=64, messages=question, tools=TOOLS,
-                                                   tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+        single = scripted_client.messages.create(model=MODEL, max_tokens=64, messages=question, tools=TOOLS,
+                                                 tool_choice={"type": "auto", "disable_parallel_tool_use": True})
         assert [b.name for b in single.content if b.type == "tool_use"] == ["get_weather"]
     finally:
         scripted.stop()
@@ -380,10 +332,10 @@ def test_schema_errors_name_the_field(server: Loopback, body: dict, field: str) 
 
 def test_sdk_errors(server: Loopback, client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.AuthenticationError) as denied:
-        server.client(key="wrong").messages.create(model=MODEL, max_tokens=1, messages=HELLO)
+        server.anthropic_client("wrong").messages.create(model=MODEL, max_tokens=1, messages=HELLO)
     assert denied.value.status_code == 401 and denied.value.type == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError):
-        server.client(key="wrong").messages.count_tokens(model=MODEL, messages=HELLO)
+        server.anthropic_client("wrong").messages.count_tokens(model=MODEL, messages=HELLO)
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.batches.retrieve("msgbatch_nope")
     assert missing.value.status_code == 404 and missing.value.type == "not_found_error"
@@ -402,40 +354,28 @@ def test_sdk_errors(server: Loopback, client: anthropic.Anthropic) -> None:
 def test_queue_full_and_queue_timeout(llm: LLM) -> None:
     """One running slot, one waiting place: a third request is refused at once (429 rate_limit_error); the waiting
     one gives up after queue_timeout (503 overloaded_error)."""
-    engine = Engine(llm, max_concurrency=1, max_pending=1, queue_timeout=2.0).start()
-    loopback = Loopback(create_app(engine, ServeConfig(model_id="served-id")))
-    client = loopback.client()
-    blocker = {"model": "served-id", "messages": HELLO, "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    try:
-        with httpx.stream("POST", f"{loopback.url}/v1/chat/completions", json=blocker, timeout=60) as running:
-            lines = running.iter_lines()  # kept: a dropped line iterator closes the response, cancelling the stream
-            next(lines)
-            waiting: dict[str, Any] = {}
+    with one_slot_taken(llm, "served-id") as (loopback, engine):
+        client = loopback.anthropic_client(KEY)
+        waiting: dict[str, Any] = {}
 
-            def wait() -> None:
-                try:
-                    client.messages.create(model=MODEL, max_tokens=1, messages=HELLO)
-                except anthropic.APIStatusError as exc:
-                    waiting["error"] = exc
-
-            waiter = threading.Thread(target=wait)
-            waiter.start()
-            deadline = time.monotonic() + 10
-            while engine.stats()["waiting"] != 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            with pytest.raises(anthropic.RateLimitError) as full:
+        def wait() -> None:
+            try:
                 client.messages.create(model=MODEL, max_tokens=1, messages=HELLO)
-            assert full.value.status_code == 429 and full.value.type == "rate_limit_error"
-            refused = httpx.post(f"{loopback.url}/v1/messages", json={"model": MODEL, "max_tokens": 1,
-                                                                      "messages": HELLO, "stream": True})
-            anthropic_error(refused, 429, "rate_limit_error")  # a stream is refused with a status, too
-            waiter.join(timeout=30)
-            assert isinstance(waiting["error"], anthropic.ServiceUnavailableError)
-            assert waiting["error"].status_code == 503 and waiting["error"].type == "overloaded_error"
-    finally:
-        loopback.stop()
-        engine.close()
+            except anthropic.APIStatusError as exc:
+                waiting["error"] = exc
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        wait_until(lambda: engine.stats()["waiting"] == 1)
+        with pytest.raises(anthropic.RateLimitError) as full:
+            client.messages.create(model=MODEL, max_tokens=1, messages=HELLO)
+        assert full.value.status_code == 429 and full.value.type == "rate_limit_error"
+        refused = httpx.post(f"{loopback.url}/v1/messages", json={"model": MODEL, "max_tokens": 1,
+                                                                  "messages": HELLO, "stream": True})
+        anthropic_error(refused, 429, "rate_limit_error")  # a stream is refused with a status, too
+        waiter.join(timeout=30)
+        assert isinstance(waiting["error"], anthropic.ServiceUnavailableError)
+        assert waiting["error"].status_code == 503 and waiting["error"].type == "overloaded_error"
 
 
 def test_internal_errors(llm: LLM) -> None:
@@ -447,7 +387,7 @@ def test_internal_errors(llm: LLM) -> None:
                                ServeConfig(model_id="x")))
     try:
         with pytest.raises(anthropic.InternalServerError) as failed:
-            broken.client().messages.create(model=MODEL, max_tokens=1, messages=HELLO)
+            broken.anthropic_client(KEY).messages.create(model=MODEL, max_tokens=1, messages=HELLO)
         assert failed.value.status_code == 500 and failed.value.type == "api_error"
         assert "boom" not in failed.value.api_message
         response = httpx.post(f"{broken.url}/v1/messages", json={"model": MODEL, "messages": HELLO, "stream": True})
@@ -458,7 +398,7 @@ def test_internal_errors(llm: LLM) -> None:
         assert [name for name, _ in events] == ["message_start", "ping", "content_block_start",
                                                 "content_block_delta", "error"]
         assert events[-1][1]["error"]["type"] == "api_error" and "boom" not in events[-1][1]["error"]["message"]
-        with pytest.raises(anthropic.APIStatusError), late.client().messages.stream(
+        with pytest.raises(anthropic.APIStatusError), late.anthropic_client(KEY).messages.stream(
                 model=MODEL, max_tokens=1, messages=HELLO) as stream:
             stream.get_final_message()
     finally:

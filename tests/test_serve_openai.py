@@ -18,18 +18,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
 
 from ninfer.engine.llm import LLM
-from ninfer.engine.output import Completion
-from ninfer.engine.scheduler import Engine, Finished
+from ninfer.engine.scheduler import Engine
 from ninfer.errors import NinferError
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
-from ninfer.sampling import SamplingParams
 from ninfer.serve import openai_chat
 from ninfer.serve.app import ServeConfig, create_app
 from ninfer.serve.main import bind
+from tests.serve_support import Loopback, ScriptedEngine, greedy, running_engine, single_thread_llm, wait_until
 
 MODEL = "test-model"
 KEY = "sk-test-key"
@@ -43,46 +40,8 @@ TOOLS = [
 ]
 
 
-class Loopback:
-    """A uvicorn server for `app` on a free 127.0.0.1 port, in a background thread."""
-
-    def __init__(self, app: Any):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the loopback server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def wait_until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the engine"
-        time.sleep(0.01)
-
-
-@pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model is fastest on one thread; more only contend on a busy machine
-    yield LLM()
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def engine(llm: LLM) -> Iterator[Engine]:
-    engine = Engine(llm, max_concurrency=8, max_pending=64).start()
-    yield engine
-    engine.close()
+llm = pytest.fixture(scope="module", name="llm")(single_thread_llm)
+engine = pytest.fixture(scope="module", name="engine")(running_engine)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +55,7 @@ def server(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def client(server: Loopback) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def greedy(llm: LLM, messages: list[dict], max_tokens: int, **options: Any) -> Completion:
-    return llm.generate(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens), **options)
+    return server.openai_client("unused")
 
 
 def stream_text(client: openai.OpenAI, **request: Any) -> tuple[str, str, list[Any]]:
@@ -389,9 +344,9 @@ def test_api_key(engine: Engine) -> None:
     loopback = Loopback(create_app(engine, ServeConfig(model_id=MODEL, api_key=KEY)))
     try:
         with pytest.raises(openai.AuthenticationError) as denied:
-            openai.OpenAI(base_url=f"{loopback.url}/v1", api_key="wrong", max_retries=0).models.list()
+            loopback.openai_client("wrong").models.list()
         assert denied.value.status_code == 401 and denied.value.code == "invalid_api_key"
-        assert [m.id for m in openai.OpenAI(base_url=f"{loopback.url}/v1", api_key=KEY).models.list().data] == [MODEL]
+        assert [m.id for m in loopback.openai_client(KEY).models.list().data] == [MODEL]
         assert httpx.get(f"{loopback.url}/v1/models", headers={"x-api-key": KEY}).status_code == 200
         missing = httpx.get(f"{loopback.url}/v1/models")
         assert missing.status_code == 401 and error_of(missing)["code"] == "invalid_api_key"
@@ -424,7 +379,7 @@ def test_queue_full_and_queue_timeout(llm: LLM) -> None:
     loopback = Loopback(create_app(engine, ServeConfig(model_id=MODEL)))
     url = f"{loopback.url}/v1/chat/completions"
     long = {"model": MODEL, "messages": QUESTION, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
-    client = openai.OpenAI(base_url=f"{loopback.url}/v1", api_key="unused", max_retries=0)
+    client = loopback.openai_client("unused")
     try:
         with httpx.stream("POST", url, json={**long, "stream": True}, timeout=60) as running:
             assert running.status_code == 200
@@ -471,38 +426,12 @@ def test_internal_error_is_500_and_server_survives(client: openai.OpenAI, server
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class ScriptedEngine:
-    """Stands in for Engine: answers every request with the same events (an exception in the script is raised)."""
-
-    def __init__(self, llm: LLM, script: list[Any]):
-        self.llm = llm
-        self.script = script
-
-    def stats(self) -> dict[str, int]:
-        return {"running": 0, "waiting": 0}
-
-    async def generate(self, request: Any) -> Any:
-        completion = Completion(finish_reason="stop", token_ids=[1, 2, 3])
-        completion.stats.prompt_tokens = len(request.prompt_ids)
-        for event in self.script:
-            if isinstance(event, Exception):
-                raise event
-            if isinstance(event, ToolCall):
-                completion.tool_calls.append(event)
-            elif isinstance(event, ContentDelta):
-                completion.text += event.text
-            elif isinstance(event, ReasoningDelta):
-                completion.reasoning += event.text
-            yield event
-        yield Finished(completion)
-
-
 def test_tool_call_wire_format(llm: LLM) -> None:
     calls = [ToolCall("get_weather", {"city": "Paris"}, "<tool_call>…</tool_call>"),
              ToolCall("get_time", {"city": "Oslo", "utc": True}, "<tool_call>…</tool_call>")]
     loopback = Loopback(create_app(ScriptedEngine(llm, [ReasoningDelta("Let me look."), *calls]),  # type: ignore
                                    ServeConfig(model_id=MODEL)))
-    client = openai.OpenAI(base_url=f"{loopback.url}/v1", api_key="unused", max_retries=0)
+    client = loopback.openai_client("unused")
     try:
         answer = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
         message = answer.choices[0].message

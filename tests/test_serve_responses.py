@@ -6,24 +6,27 @@ through previous_response_id, the response store, and every error status in Open
 from __future__ import annotations
 
 import json
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
 
-from ninfer.engine.llm import LLM, Finished
-from ninfer.engine.output import Completion
+from ninfer.engine.llm import LLM
 from ninfer.engine.scheduler import Engine
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
-from ninfer.sampling import SamplingParams
 from ninfer.serve.app import ServeConfig, create_app
+from tests.serve_support import (
+    Loopback,
+    ScriptedEngine,
+    greedy,
+    one_slot_taken,
+    running_engine,
+    single_thread_llm,
+    wait_until,
+)
 
 MODEL = "test-model"
 KEY = "sk-test-key"
@@ -41,74 +44,20 @@ CHAT_TOOLS = [{"type": "function", "function": {key: t[key] for key in ("name", 
 OFF = {"effort": "none"}
 
 
-class Loopback:
-    """A uvicorn server for `app` on a free 127.0.0.1 port, in a background thread."""
-
-    def __init__(self, app: Any):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the loopback server did not start"
-            time.sleep(0.01)
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-class ScriptedEngine:
-    """Stands in for Engine: answers every request with the same events (an exception in the script is raised)."""
-
-    def __init__(self, llm: LLM, script: list[Any]):
-        self.llm = llm
-        self.script = script
-
-    def stats(self) -> dict[str, int]:
-        return {"running": 0, "waiting": 0}
-
-    async def generate(self, request: Any) -> Any:
-        completion = Completion(finish_reason="stop", token_ids=[1, 2, 3])
-        completion.stats.prompt_tokens = len(request.prompt_ids)
-        completion.stats.generated_tokens = 3
-        for event in self.script:
-            if isinstance(event, Exception):
-                raise event
-            yield event
-        yield Finished(completion)
+llm = pytest.fixture(scope="module", name="llm")(single_thread_llm)
+engine = pytest.fixture(scope="module", name="engine")(running_engine)
 
 
 @pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model is fastest on one thread; more only contend on a busy machine
-    yield LLM()
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def server(llm: LLM) -> Iterator[Loopback]:
-    engine = Engine(llm, max_concurrency=8, max_pending=64).start()
+def server(engine: Engine) -> Iterator[Loopback]:
     loopback = Loopback(create_app(engine, ServeConfig(model_id=MODEL, api_key=KEY, max_body_bytes=BODY_LIMIT)))
     yield loopback
     loopback.stop()
-    engine.close()
 
 
 @pytest.fixture(scope="module")
 def client(server: Loopback) -> openai.OpenAI:
-    return server.client()
-
-
-def greedy(llm: LLM, messages: list[dict], max_tokens: int, **options: Any) -> Completion:
-    return llm.generate(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens), **options)
+    return server.openai_client(KEY)
 
 
 def sse(url: str, body: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
@@ -252,7 +201,7 @@ def test_function_call_round_trip(llm: LLM) -> None:
     engine = ScriptedEngine(llm, [ReasoningDelta("Let me "), ReasoningDelta("look."), ContentDelta("Checking."),
                                   *calls])
     scripted = Loopback(create_app(engine, ServeConfig(model_id=MODEL)))  # type: ignore[arg-type]
-    client = scripted.client()
+    client = scripted.openai_client(KEY)
     try:
         question = "Weather in Paris, time in Oslo?"
         first = client.responses.create(model=MODEL, input=question, tools=TOOLS)
@@ -363,7 +312,7 @@ def test_schema_errors_name_the_field(server: Loopback, body: dict, param: str, 
 
 def test_sdk_errors(server: Loopback, client: openai.OpenAI) -> None:
     with pytest.raises(openai.AuthenticationError) as denied:
-        server.client(key="wrong").responses.create(model=MODEL, input=QUESTION)
+        server.openai_client("wrong").responses.create(model=MODEL, input=QUESTION)
     assert denied.value.status_code == 401 and denied.value.code == "invalid_api_key"
     with pytest.raises(openai.NotFoundError) as model:
         client.responses.create(model="gpt-5", input=QUESTION)
@@ -386,39 +335,27 @@ def test_sdk_errors(server: Loopback, client: openai.OpenAI) -> None:
 def test_queue_full_and_queue_timeout(llm: LLM) -> None:
     """One running slot, one waiting place: a third request is refused at once (429); the waiting one gives up after
     queue_timeout (503)."""
-    engine = Engine(llm, max_concurrency=1, max_pending=1, queue_timeout=2.0).start()
-    loopback = Loopback(create_app(engine, ServeConfig(model_id=MODEL)))
-    client = loopback.client()
-    blocker = {"model": MODEL, "messages": HELLO, "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    try:
-        with httpx.stream("POST", f"{loopback.url}/v1/chat/completions", json=blocker, timeout=60) as running:
-            lines = running.iter_lines()  # kept: a dropped line iterator closes the response, cancelling the stream
-            next(lines)
-            waiting: dict[str, Any] = {}
+    with one_slot_taken(llm, MODEL) as (loopback, engine):
+        client = loopback.openai_client(KEY)
+        waiting: dict[str, Any] = {}
 
-            def wait() -> None:
-                try:
-                    client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1)
-                except openai.APIStatusError as exc:
-                    waiting["error"] = exc
-
-            waiter = threading.Thread(target=wait)
-            waiter.start()
-            deadline = time.monotonic() + 10
-            while engine.stats()["waiting"] != 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            with pytest.raises(openai.RateLimitError) as full:
+        def wait() -> None:
+            try:
                 client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1)
-            assert full.value.status_code == 429 and full.value.code == "server_overloaded"
-            status, events = sse(loopback.url, {"model": MODEL, "input": QUESTION})  # a stream gets a status, too
-            assert status == 429 and events[0]["error"]["code"] == "server_overloaded"
-            waiter.join(timeout=30)
-            assert isinstance(waiting["error"], openai.InternalServerError)
-            assert waiting["error"].status_code == 503 and waiting["error"].code == "request_queue_timeout"
-    finally:
-        loopback.stop()
-        engine.close()
+            except openai.APIStatusError as exc:
+                waiting["error"] = exc
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        wait_until(lambda: engine.stats()["waiting"] == 1)
+        with pytest.raises(openai.RateLimitError) as full:
+            client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1)
+        assert full.value.status_code == 429 and full.value.code == "server_overloaded"
+        status, events = sse(loopback.url, {"model": MODEL, "input": QUESTION})  # a stream gets a status, too
+        assert status == 429 and events[0]["error"]["code"] == "server_overloaded"
+        waiter.join(timeout=30)
+        assert isinstance(waiting["error"], openai.InternalServerError)
+        assert waiting["error"].status_code == 503 and waiting["error"].code == "request_queue_timeout"
 
 
 def test_internal_errors(llm: LLM) -> None:
@@ -430,7 +367,7 @@ def test_internal_errors(llm: LLM) -> None:
                                ServeConfig(model_id=MODEL)))
     try:
         with pytest.raises(openai.InternalServerError) as failed:
-            broken.client().responses.create(model=MODEL, input=QUESTION)
+            broken.openai_client(KEY).responses.create(model=MODEL, input=QUESTION)
         assert failed.value.status_code == 500 and failed.value.code == "internal_error"
         assert "boom" not in str(failed.value.message)
         response = httpx.post(f"{broken.url}/v1/responses", json={"model": MODEL, "input": QUESTION, "stream": True})

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import threading
 import time
 from collections import Counter
@@ -16,15 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import openai
 import pytest
-import torch
-import uvicorn
 
 from ninfer.engine.llm import LLM
 from ninfer.engine.scheduler import Engine
 from ninfer.serve.app import ServeConfig, create_app
 from ninfer.serve.openai_chat import ChatCompletionRequest
+from tests.serve_support import Loopback, running_engine, single_thread_llm, wait_until
 
 MODEL = "test-model"
 QUESTION = [{"role": "user", "content": "Tell me about the sea."}]
@@ -32,33 +29,6 @@ VALID = {"model": MODEL, "messages": QUESTION, "max_completion_tokens": 1, "enab
          "temperature": 0}
 LONG = {"model": MODEL, "messages": QUESTION, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 GARBAGE_REQUESTS = 2000
-
-
-class Loopback:
-    """A uvicorn server for `app` on a free 127.0.0.1 port, in a background thread."""
-
-    def __init__(self, app: Any):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the loopback server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def wait_until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the engine"
-        time.sleep(0.01)
 
 
 def assert_openai_error(status: int, body: bytes, allowed: tuple[int, ...]) -> dict[str, Any]:
@@ -70,19 +40,8 @@ def assert_openai_error(status: int, body: bytes, allowed: tuple[int, ...]) -> d
     return error["error"]
 
 
-@pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model is fastest on one thread; more only contend on a busy machine
-    yield LLM()
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def engine(llm: LLM) -> Iterator[Engine]:
-    engine = Engine(llm, max_concurrency=8, max_pending=64).start()
-    yield engine
-    engine.close()
+llm = pytest.fixture(scope="module", name="llm")(single_thread_llm)
+engine = pytest.fixture(scope="module", name="engine")(running_engine)
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +199,7 @@ def test_thousands_of_garbage_requests(engine: Engine, server: Loopback) -> None
 
 
 def test_parallel_streams_get_their_single_request_text(engine: Engine, server: Loopback) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = server.openai_client("unused", timeout=120)
     topics = ["the sea", "a cat", "Python lists", "the moon", "bread", "trains", "winter", "chess"]
     requests = [{"messages": [{"role": "user", "content": f"Tell me about {topic}."}], "temperature": 0,
                  "max_tokens": 16, "extra_body": {"enable_thinking": index % 2 == 0}}

@@ -53,30 +53,32 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from ninfer.engine.scheduler import Finished, Request, Result
-from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
+from ninfer.frontend import ToolCall
 from ninfer.serve.common import (
     APIError,
     ClientDisconnected,
     EventStreamResponse,
     LenientModel,
+    OrderedParts,
     ServerState,
+    StreamEvents,
     StrictModel,
     anthropic_error_body,
     check_context,
     disconnected_response,
     engine_events,
+    function_tool_json,
+    generate,
     history_uses_tools,
-    internal_error,
-    logger,
     new_id,
     parse_body,
     parse_tagged,
     prompt_ids,
     record_of,
     record_result,
-    run_until_disconnect,
     sampling_params,
     sse_event,
+    stream_error,
 )
 
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
@@ -337,14 +339,7 @@ def template_tools(body: ConversationRequest) -> list[dict[str, Any]] | None:
             raise APIError(400, f"tool_choice.name: {choice.name!r} is not among the tools",
                            param="tool_choice.name")
         tools = [tools[names.index(choice.name)]]
-    rendered = []
-    for tool in tools:
-        function: dict[str, Any] = {"name": tool.name}
-        if tool.description is not None:
-            function["description"] = tool.description
-        function["parameters"] = tool.input_schema
-        rendered.append({"type": "function", "function": function})
-    return rendered or None
+    return [function_tool_json(tool.name, tool.description, tool.input_schema) for tool in tools] or None
 
 
 def thinking_of(body: ConversationRequest, default: bool, prefill: str | None) -> bool:
@@ -392,54 +387,42 @@ def usage_json(result: Result) -> dict[str, Any]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": result.cached_tokens}
 
 
-class ContentBlocks:
-    """Engine events -> Anthropic content blocks in the order the model wrote them. `feed` returns the SSE events
-    (name, payload) that an event decides; `blocks` accumulates the finished blocks for a JSON answer, so that a
-    streamed and a whole answer have the same content."""
+BLOCK_TEXT_FIELDS = {"reasoning": ("thinking", "thinking_delta"), "content": ("text", "text_delta")}
+
+
+class ContentBlocks(OrderedParts):
+    """Engine events -> Anthropic content blocks (thinking, text, tool_use) in the order the model wrote them.
+    `feed` returns the SSE events (name, payload) that an event decides; `blocks` accumulates the finished blocks
+    for a JSON answer."""
 
     def __init__(self, single_tool_call: bool):
-        self.single_tool_call = single_tool_call
+        super().__init__(single_tool_call)
         self.blocks: list[dict[str, Any]] = []
-        self.open: str | None = None  # "thinking" or "text": the block now receiving deltas
-        self.tool_calls = 0
 
-    def feed(self, event: Any) -> list[tuple[str, dict[str, Any]]]:
-        if isinstance(event, ReasoningDelta | ContentDelta):
-            if not event.text:
-                return []
-            kind, field, delta = (("thinking", "thinking", "thinking_delta") if isinstance(event, ReasoningDelta)
-                                  else ("text", "text", "text_delta"))
-            events = [] if self.open == kind else [*self.close(), *self._start(
-                {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
-                else {"type": "text", "text": ""})]
-            self.open = kind
-            self.blocks[-1][field] += event.text
-            index = len(self.blocks) - 1
-            return [*events, ("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                      "delta": {"type": delta, field: event.text}})]
-        if isinstance(event, ToolCall):
-            if self.single_tool_call and self.tool_calls:
-                return []
-            self.tool_calls += 1
-            events = self.close()
-            block = {"type": "tool_use", "id": new_id("toolu_"), "name": event.name, "input": {}}
-            events += self._start(block)
-            block["input"] = event.arguments
-            index = len(self.blocks) - 1
-            arguments = json.dumps(event.arguments, ensure_ascii=False)
-            events.append(("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                   "delta": {"type": "input_json_delta", "partial_json": arguments}}))
-            return [*events, ("content_block_stop", {"type": "content_block_stop", "index": index})]
-        return []
+    def _open_part(self, kind: str) -> StreamEvents:
+        return self._start({"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning"
+                           else {"type": "text", "text": ""})
 
-    def close(self) -> list[tuple[str, dict[str, Any]]]:
-        """End the open thinking or text block, if any."""
-        if self.open is None:
-            return []
-        self.open = None
+    def _delta(self, kind: str, text: str) -> StreamEvents:
+        field, delta = BLOCK_TEXT_FIELDS[kind]
+        self.blocks[-1][field] += text
+        return [("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
+                                         "delta": {"type": delta, field: text}})]
+
+    def _close_part(self, kind: str) -> StreamEvents:
         return [("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
 
-    def _start(self, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    def _tool_call(self, call: ToolCall) -> StreamEvents:
+        block = {"type": "tool_use", "id": new_id("toolu_"), "name": call.name, "input": {}}
+        events = self._start(block)
+        block["input"] = call.arguments
+        index = len(self.blocks) - 1
+        arguments = json.dumps(call.arguments, ensure_ascii=False)
+        return [*events, ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                  "delta": {"type": "input_json_delta", "partial_json": arguments}}),
+                ("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def _start(self, block: dict[str, Any]) -> StreamEvents:
         self.blocks.append(block)
         return [("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
                                          "content_block": dict(block)})]
@@ -469,23 +452,13 @@ class _Exchange:
         """The whole message, built from the same events as the stream (so both have the same content).
         Raises the APIErrors of `engine_events`, or ClientDisconnected (the request is cancelled then)."""
         blocks = ContentBlocks(self.single_tool_call)
-
-        async def collect() -> Result:
-            async for event in engine_events(self.state, request):
-                if isinstance(event, Finished):
-                    return event.completion
-                blocks.feed(event)
-            raise RuntimeError("the engine's event stream ended without Finished")
-
-        result = await run_until_disconnect(http_request, collect())
-        record_result(http_request, result)
+        result = await generate(self.state, http_request, request, blocks.feed)
         return self.message(blocks.blocks or [{"type": "text", "text": ""}], result, blocks.tool_calls,
                             result.prompt_tokens)
 
     async def stream(self, http_request: HTTPRequest, request: Request) -> AsyncIterator[bytes]:
         """The SSE events. Refusals before the engine's first event propagate (EventStreamResponse answers them
         with their status); later errors become an `error` event that ends the stream."""
-        record = record_of(http_request)
         blocks = ContentBlocks(self.single_tool_call)
         async with contextlib.aclosing(engine_events(self.state, request)) as events:
             event = await anext(events)
@@ -498,11 +471,7 @@ class _Exchange:
                         yield sse_event(name, payload)
                     event = await anext(events)
             except Exception as exc:
-                if not isinstance(exc, APIError):
-                    logger.exception("message %s failed while streaming", self.id)
-                error = exc if isinstance(exc, APIError) else internal_error()
-                record.update(error_code=error.code, error_type=error.type)
-                yield sse_event("error", anthropic_error_body(error))
+                yield sse_event("error", anthropic_error_body(stream_error(http_request, exc, f"message {self.id}")))
                 return
         result = event.completion
         record_result(http_request, result)

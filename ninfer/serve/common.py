@@ -16,6 +16,9 @@ and builds its routes from these pieces:
         return disconnected_response(http_request)
     ... or streaming: an async generator that pulls the first event before yielding anything
     return EventStreamResponse(my_chunks(engine_events(state, engine_request)))
+    ... where a chunk generator turns an exception after its first event into the API's in-band error with
+    `stream_error`, and an API whose answer is a list of parts subclasses `OrderedParts` (`generate(...,
+    on_event=parts.feed)` builds the whole answer from the same events as the stream).
 
 (`prompt_ids` and `sampling_params` are plain functions; run them with starlette's `run_in_threadpool` when the
 conversation may be long, so that tokenizing does not hold up the event loop.)
@@ -36,15 +39,15 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import anyio
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from ninfer.engine.llm import PromptTooLongError
@@ -58,7 +61,7 @@ from ninfer.engine.scheduler import (
     Result,
 )
 from ninfer.errors import NinferError
-from ninfer.frontend import ChatTemplateError
+from ninfer.frontend import ChatTemplateError, ContentDelta, ReasoningDelta, ToolCall
 from ninfer.sampling import SamplingError, SamplingParams
 
 if TYPE_CHECKING:
@@ -214,6 +217,20 @@ class LenientModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
+def check_json_object_string(value: str) -> str:
+    """`value` unchanged if it is a JSON object written as a string (blank counts as `{}`), as function-call
+    arguments are sent; else ValueError saying what it is instead (pydantic reports it as the field's 400)."""
+    try:
+        parsed = json.loads(value) if value.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"must be a JSON object string ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"must be a JSON object string, got a JSON {type(parsed).__name__}")
+    return value
+
+
+JSONObjectString = Annotated[str, AfterValidator(check_json_object_string)]
+
 Model = TypeVar("Model", bound=BaseModel)
 
 
@@ -333,6 +350,16 @@ def resolve_thinking(default: bool, *choices: tuple[str, bool | None]) -> bool:
 def history_uses_tools(messages: list[Mapping[str, Any]]) -> bool:
     """Whether a conversation (OpenAI-shape messages) holds tool calls or tool results."""
     return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+def function_tool_json(name: str, description: str | None, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the chat template takes it, OpenAI's function shape: {"type": "function", "function": {name,
+    description (left out when None), parameters}}."""
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = parameters
+    return {"type": "function", "function": function}
 
 
 def prompt_ids(state: ServerState, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None,
@@ -488,14 +515,18 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def generate(state: ServerState, http_request: HTTPRequest, request: Request) -> Result:
-    """Run `request` to completion and return its Result (also written to the request's log record).
+async def generate(state: ServerState, http_request: HTTPRequest, request: Request,
+                   on_event: Callable[[Any], object] | None = None) -> Result:
+    """Run `request` to completion and return its Result (also written to the request's log record); every event
+    before Finished is passed to `on_event` first, if given (to build the answer from the same events as a stream).
     Raises the APIErrors of `engine_events`, or ClientDisconnected (the request is cancelled then)."""
 
     async def collect() -> Result:
         async for event in engine_events(state, request):
             if isinstance(event, Finished):
                 return event.completion
+            if on_event is not None:
+                on_event(event)
         raise RuntimeError("the engine's event stream ended without Finished")
 
     result = await run_until_disconnect(http_request, collect())
@@ -507,6 +538,77 @@ def disconnected_response(http_request: HTTPRequest) -> Response:
     """What a route returns after ClientDisconnected: nothing reaches the client; the log says 499."""
     record_of(http_request)["finish_reason"] = "cancelled"
     return Response(status_code=499)
+
+
+def stream_error(http_request: HTTPRequest, exc: Exception, what: str) -> APIError:
+    """The error a stream reports in-band for `exc`, raised after its first event: an APIError as it is; anything
+    else is logged with its traceback ("<what> failed while streaming") and becomes `internal_error()`. The error's
+    code and type go into the request's log record."""
+    if isinstance(exc, APIError):
+        error = exc
+    else:
+        logger.exception("%s failed while streaming", what)
+        error = internal_error()
+    record_of(http_request).update(error_code=error.code, error_type=error.type)
+    return error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# answers as ordered parts
+# ---------------------------------------------------------------------------------------------------------------
+
+StreamEvents = list[tuple[str, dict[str, Any]]]  # (SSE event name, payload) pairs
+
+
+class OrderedParts:
+    """Engine events -> an answer's parts (Anthropic content blocks, Responses output items) in the order the model
+    wrote them, as the stream events each event decides; a subclass keeps the parts, so that a streamed and a whole
+    answer have the same content.
+
+    Reasoning and content deltas go to the open part of their kind ("reasoning" or "content"): a delta of the other
+    kind, or a tool call, first closes the open part; empty deltas are dropped. Each tool call is a part of its own;
+    with `single_tool_call` only the first is kept (`tool_calls` counts those kept). A subclass gives the API's
+    shapes: `_open_part(kind)`, `_delta(kind, text)` (the part is open), `_close_part(kind)` and `_tool_call(call)`.
+    """
+
+    def __init__(self, single_tool_call: bool):
+        self.single_tool_call = single_tool_call
+        self.open: str | None = None  # the kind of the part now receiving deltas
+        self.tool_calls = 0
+
+    def feed(self, event: Any) -> StreamEvents:
+        if isinstance(event, ReasoningDelta | ContentDelta):
+            if not event.text:
+                return []
+            kind = "reasoning" if isinstance(event, ReasoningDelta) else "content"
+            events = [] if self.open == kind else [*self.close(), *self._open_part(kind)]
+            self.open = kind
+            return [*events, *self._delta(kind, event.text)]
+        if isinstance(event, ToolCall):
+            if self.single_tool_call and self.tool_calls:
+                return []
+            self.tool_calls += 1
+            return [*self.close(), *self._tool_call(event)]
+        return []
+
+    def close(self) -> StreamEvents:
+        """End the open reasoning or content part, if any."""
+        if self.open is None:
+            return []
+        kind, self.open = self.open, None
+        return self._close_part(kind)
+
+    def _open_part(self, kind: str) -> StreamEvents:
+        raise NotImplementedError
+
+    def _delta(self, kind: str, text: str) -> StreamEvents:
+        raise NotImplementedError
+
+    def _close_part(self, kind: str) -> StreamEvents:
+        raise NotImplementedError
+
+    def _tool_call(self, call: ToolCall) -> StreamEvents:
+        raise NotImplementedError
 
 
 # ---------------------------------------------------------------------------------------------------------------

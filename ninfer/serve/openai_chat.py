@@ -38,7 +38,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Discriminator, Field, Tag
 from starlette.concurrency import run_in_threadpool
 
 from ninfer.engine.scheduler import Finished, Request, Result
@@ -48,16 +48,16 @@ from ninfer.serve.common import (
     APIError,
     ClientDisconnected,
     EventStreamResponse,
+    JSONObjectString,
     LenientModel,
     ServerState,
     StrictModel,
     check_model,
     disconnected_response,
     engine_events,
+    function_tool_json,
     generate,
     history_uses_tools,
-    internal_error,
-    logger,
     new_id,
     openai_error_body,
     parse_body,
@@ -69,6 +69,7 @@ from ninfer.serve.common import (
     resolve_thinking,
     sampling_params,
     sse_data,
+    stream_error,
 )
 
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
@@ -102,18 +103,7 @@ class UserMessage(StrictModel):
 
 class FunctionCall(StrictModel):
     name: str
-    arguments: str
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, value: str) -> str:
-        try:
-            parsed = json.loads(value) if value.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"must be a JSON object string ({exc})") from None
-        if not isinstance(parsed, dict):
-            raise ValueError(f"must be a JSON object string, got a JSON {type(parsed).__name__}")
-        return value
+    arguments: JSONObjectString
 
 
 class AssistantToolCall(StrictModel):
@@ -351,14 +341,9 @@ def template_tools(tools: list[ToolDefinition] | None, tool_choice: str | NamedT
             raise APIError(400, f"tool_choice names {tool_choice.function.name!r}, which is not among the tools",
                            code="invalid_value", param="tool_choice.function.name")
         tools = [tools[names.index(tool_choice.function.name)]]
-    rendered = []
-    for tool in tools:
-        function: dict[str, Any] = {"name": tool.function.name}
-        if tool.function.description is not None:
-            function["description"] = tool.function.description
-        function["parameters"] = tool.function.parameters or {"type": "object", "properties": {}}
-        rendered.append({"type": "function", "function": function})
-    return rendered or None
+    return [function_tool_json(tool.function.name, tool.function.description,
+                               tool.function.parameters or {"type": "object", "properties": {}})
+            for tool in tools] or None
 
 
 def thinking_of(body: ChatCompletionRequest, default: bool) -> bool:
@@ -436,7 +421,6 @@ class _Chat:
     async def stream(self, http_request: HTTPRequest, request: Request) -> AsyncIterator[bytes]:
         """The SSE chunks. Refusals before the first event propagate (EventStreamResponse answers them with their
         status); later errors become an in-band error event."""
-        record = record_of(http_request)
         async with contextlib.aclosing(engine_events(self.state, request)) as events:
             event = await anext(events)
             yield self.chunk({"role": "assistant", "content": ""})
@@ -451,15 +435,8 @@ class _Chat:
                         yield self.chunk({"tool_calls": [tool_call_json(event, tool_calls)]})
                         tool_calls += 1
                     event = await anext(events)
-            except APIError as error:
-                record.update(error_code=error.code, error_type=error.type)
-                yield sse_data(openai_error_body(error))
-                return
-            except Exception:
-                logger.exception("chat completion %s failed while streaming", self.id)
-                error = internal_error()
-                record.update(error_code=error.code, error_type=error.type)
-                yield sse_data(openai_error_body(error))
+            except Exception as exc:
+                yield sse_data(openai_error_body(stream_error(http_request, exc, f"chat completion {self.id}")))
                 return
         result = event.completion
         record_result(http_request, result)

@@ -54,23 +54,26 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from ninfer.engine.scheduler import Finished, Request, Result
-from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
+from ninfer.frontend import ToolCall
 from ninfer.serve.common import (
     APIError,
     ClientDisconnected,
     EventStreamResponse,
+    JSONObjectString,
     LenientModel,
+    OrderedParts,
     ServerState,
+    StreamEvents,
     StrictModel,
     check_model,
     disconnected_response,
     engine_events,
+    function_tool_json,
+    generate,
     history_uses_tools,
-    internal_error,
-    logger,
     new_id,
     parse_body,
     parse_tagged,
@@ -79,9 +82,9 @@ from ninfer.serve.common import (
     record_of,
     record_result,
     resolve_thinking,
-    run_until_disconnect,
     sampling_params,
     sse_event,
+    stream_error,
 )
 
 STORE_SIZE = 256  # responses kept for previous_response_id (least recently used dropped first)
@@ -123,18 +126,7 @@ class FunctionCallItem(LenientModel):
     type: Literal["function_call"]
     call_id: str
     name: str
-    arguments: str
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, value: str) -> str:
-        try:
-            parsed = json.loads(value) if value.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"must be a JSON object string ({exc})") from None
-        if not isinstance(parsed, dict):
-            raise ValueError(f"must be a JSON object string, got a JSON {type(parsed).__name__}")
-        return value
+    arguments: JSONObjectString
 
 
 class FunctionCallOutputItem(LenientModel):
@@ -357,14 +349,8 @@ def template_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
             raise APIError(400, f"tool_choice.name: {choice.name!r} is not among the tools", code="invalid_value",
                            param="tool_choice.name")
         tools = [tools[names.index(choice.name)]]
-    rendered = []
-    for tool in tools:
-        function: dict[str, Any] = {"name": tool.name}
-        if tool.description is not None:
-            function["description"] = tool.description
-        function["parameters"] = tool.parameters or {"type": "object", "properties": {}}
-        rendered.append({"type": "function", "function": function})
-    return rendered or None
+    return [function_tool_json(tool.name, tool.description, tool.parameters or {"type": "object", "properties": {}})
+            for tool in tools] or None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -372,61 +358,16 @@ def template_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class OutputItems:
-    """Engine events -> Responses output items in the order the model wrote them. `feed` returns the stream events
-    (name, payload without sequence_number) that an event decides; `items` accumulates the finished items for a
-    JSON answer, so that a streamed and a whole answer have the same output."""
+class OutputItems(OrderedParts):
+    """Engine events -> Responses output items (reasoning, message, function_call) in the order the model wrote
+    them. `feed` returns the stream events (name, payload without sequence_number) that an event decides; `items`
+    accumulates the finished items for a JSON answer."""
 
     def __init__(self, single_tool_call: bool):
-        self.single_tool_call = single_tool_call
+        super().__init__(single_tool_call)
         self.items: list[dict[str, Any]] = []
-        self.open: str | None = None  # "reasoning" or "message": the item now receiving deltas
-        self.tool_calls = 0
 
-    def feed(self, event: Any) -> list[tuple[str, dict[str, Any]]]:
-        if isinstance(event, ReasoningDelta | ContentDelta):
-            if not event.text:
-                return []
-            kind = "reasoning" if isinstance(event, ReasoningDelta) else "message"
-            events = [] if self.open == kind else [*self.close(), *self._open(kind)]
-            part = self.items[-1]["content"][0]
-            part["text"] += event.text
-            name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-            delta = {**self._where(), "content_index": 0, "delta": event.text}
-            return [*events, (name, delta if kind == "reasoning" else {**delta, "logprobs": []})]
-        if isinstance(event, ToolCall):
-            if self.single_tool_call and self.tool_calls:
-                return []
-            self.tool_calls += 1
-            events = self.close()
-            arguments = json.dumps(event.arguments, ensure_ascii=False)
-            item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": new_id("call_"),
-                    "name": event.name, "arguments": ""}
-            events += self._add(item)
-            item.update(arguments=arguments, status="completed")
-            where = self._where()
-            return [*events, ("response.function_call_arguments.delta", {**where, "delta": arguments}),
-                    ("response.function_call_arguments.done", {**where, "name": event.name, "arguments": arguments}),
-                    ("response.output_item.done", {"output_index": where["output_index"], "item": _copy(item)})]
-        return []
-
-    def close(self) -> list[tuple[str, dict[str, Any]]]:
-        """Finish the open reasoning or message item, if any."""
-        if self.open is None:
-            return []
-        kind, self.open = self.open, None
-        item = self.items[-1]
-        item["status"] = "completed"
-        part = item["content"][0]
-        where = {**self._where(), "content_index": 0}
-        done = ({**where, "text": part["text"]} if kind == "reasoning"
-                else {**where, "text": part["text"], "logprobs": []})
-        name = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
-        return [(name, done), ("response.content_part.done", {**where, "part": _copy(part)}),
-                ("response.output_item.done", {"output_index": where["output_index"], "item": _copy(item)})]
-
-    def _open(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
-        self.open = kind
+    def _open_part(self, kind: str) -> StreamEvents:
         if kind == "reasoning":
             item = {"id": new_id("rs_"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
             part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
@@ -438,7 +379,35 @@ class OutputItems:
         item["content"].append(part)
         return [*events, ("response.content_part.added", {**self._where(), "content_index": 0, "part": _copy(part)})]
 
-    def _add(self, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    def _delta(self, kind: str, text: str) -> StreamEvents:
+        self.items[-1]["content"][0]["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        delta = {**self._where(), "content_index": 0, "delta": text}
+        return [(name, delta if kind == "reasoning" else {**delta, "logprobs": []})]
+
+    def _close_part(self, kind: str) -> StreamEvents:
+        item = self.items[-1]
+        item["status"] = "completed"
+        part = item["content"][0]
+        where = {**self._where(), "content_index": 0}
+        done = ({**where, "text": part["text"]} if kind == "reasoning"
+                else {**where, "text": part["text"], "logprobs": []})
+        name = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
+        return [(name, done), ("response.content_part.done", {**where, "part": _copy(part)}),
+                ("response.output_item.done", {"output_index": where["output_index"], "item": _copy(item)})]
+
+    def _tool_call(self, call: ToolCall) -> StreamEvents:
+        arguments = json.dumps(call.arguments, ensure_ascii=False)
+        item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": new_id("call_"),
+                "name": call.name, "arguments": ""}
+        events = self._add(item)
+        item.update(arguments=arguments, status="completed")
+        where = self._where()
+        return [*events, ("response.function_call_arguments.delta", {**where, "delta": arguments}),
+                ("response.function_call_arguments.done", {**where, "name": call.name, "arguments": arguments}),
+                ("response.output_item.done", {"output_index": where["output_index"], "item": _copy(item)})]
+
+    def _add(self, item: dict[str, Any]) -> StreamEvents:
         self.items.append(item)
         return [("response.output_item.added", {"output_index": len(self.items) - 1, "item": _copy(item)})]
 
@@ -537,23 +506,13 @@ class _Exchange:
         """The whole response, built from the same events as the stream. Raises the APIErrors of
         `engine_events`, or ClientDisconnected (the request is cancelled then)."""
         output = OutputItems(self.single_tool_call)
-
-        async def collect() -> Result:
-            async for event in engine_events(self.state, self.request):
-                if isinstance(event, Finished):
-                    return event.completion
-                output.feed(event)
-            raise RuntimeError("the engine's event stream ended without Finished")
-
-        result = await run_until_disconnect(http_request, collect())
-        record_result(http_request, result)
+        result = await generate(self.state, http_request, self.request, output.feed)
         output.close()
         return self.response(output, result), output
 
     async def stream(self, http_request: HTTPRequest, store: ResponseStore) -> AsyncIterator[bytes]:
         """The SSE events. Refusals before the engine's first event propagate (EventStreamResponse answers them
         with their status); later errors become an `error` event and response.failed."""
-        record = record_of(http_request)
         output = OutputItems(self.single_tool_call)
         sequence = 0
 
@@ -572,10 +531,7 @@ class _Exchange:
                         yield send(name, payload)
                     event = await anext(events)
             except Exception as exc:
-                if not isinstance(exc, APIError):
-                    logger.exception("response %s failed while streaming", self.id)
-                error = exc if isinstance(exc, APIError) else internal_error()
-                record.update(error_code=error.code, error_type=error.type)
+                error = stream_error(http_request, exc, f"response {self.id}")
                 yield send("error", {"code": error.code, "message": error.message, "param": error.param})
                 yield send("response.failed", {"response": self.response(output, None, "failed", error)})
                 return
