@@ -18,8 +18,9 @@ RELATIVE_TOLERANCE = 1e-5  # fp32 on both sides; only the summation order differ
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("tokens", "n", "k"), [(1, 40, 130), (3, 64, 256), (16, 70, 64)])
-def test_gemv_equals_the_reference(fmt, tokens, n, k):
+@pytest.mark.parametrize(("tokens", "n", "k", "split_k"), [(1, 40, 130, 1), (3, 64, 256, 1), (16, 70, 64, 1),
+                                                          (2, 40, 640, 3), (5, 24, 384, 8)])
+def test_gemv_equals_the_reference(fmt, tokens, n, k, split_k):
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("triton was imported without the interpreter and there is no GPU")
     generator = torch.Generator().manual_seed(n * k + tokens)
@@ -27,7 +28,7 @@ def test_gemv_equals_the_reference(fmt, tokens, n, k):
     data = codec_for(fmt).encode(weight)
     x = torch.randn(tokens, k, generator=generator)
     expected = quant_linear_reference(x, data, (n, k), fmt)
-    got = quant_linear_gemv(x, data, (n, k), fmt, block_n=16)
+    got = quant_linear_gemv(x, data, (n, k), fmt, block_n=16, split_k=split_k)
     error = float((got - expected).abs().max() / expected.abs().max())
     assert error < RELATIVE_TOLERANCE, f"{fmt} T={tokens} [{n}, {k}]: relative error {error:.2e}"
 

@@ -24,12 +24,13 @@ FP32_REL, BF16_REL = 1e-5, 1e-2  # bf16: x rounded to bf16 for both, products ac
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("tokens", [1, 2, 5, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_on_cuda_equals_the_reference(name, tokens, dtype):
+@pytest.mark.parametrize("split_k", [1, 8])
+def test_gemv_on_cuda_equals_the_reference(name, tokens, dtype, split_k):
     n, k, fmt = SHAPES[name]
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     data = codec_for(fmt).encode(torch.randn(n, k, device="cuda", generator=generator) * 0.02)
     x = torch.randn(tokens, k, device="cuda", generator=generator).to(dtype)
     expected = quant_linear_reference(x.float(), data, (n, k), fmt)
-    got = quant_linear_gemv(x, data, (n, k), fmt)
+    got = quant_linear_gemv(x, data, (n, k), fmt, split_k=split_k)
     error = float((got - expected).norm() / expected.norm())
     assert error < (FP32_REL if dtype == torch.float32 else BF16_REL), f"{name} T={tokens} {dtype}: {error:.2e}"

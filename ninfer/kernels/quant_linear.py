@@ -37,17 +37,21 @@ def quant_linear_reference(x: torch.Tensor, data: torch.Tensor, shape: tuple[int
 if triton is not None:
 
     @triton.jit
-    def _groupwise_gemv_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, gpr, stride_x, stride_out,
+    def _groupwise_gemv_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, gpr, groups_per_split,
+                               stride_x, stride_out, stride_split,
                                BITS: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
         pid = tl.program_id(0)
+        split = tl.program_id(1)  # split-K: this program sums groups [split * groups_per_split, ...) of its rows
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         tokens = tl.arange(0, BLOCK_T)
         token_ok = tokens < T
         acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
         lanes = tl.arange(0, HALF)
-        for g in tl.range(0, gpr):
+        first_group = split * groups_per_split
+        last_group = tl.minimum(first_group + groups_per_split, gpr)
+        for g in tl.range(first_group, last_group):
             scale = tl.load(scale_ptr + rows * gpr + g, mask=row_ok, other=0.0).to(tl.float32)
             if BITS == 8:
                 # one int8 per lane: treat the group as two halves of consecutive lanes
@@ -91,13 +95,15 @@ if triton is not None:
             else:
                 part = tl.dot(codes_first, x_first) + tl.dot(codes_second, x_second)
             acc += part * scale[:, None]
-        out = out_ptr + tokens[None, :] * stride_out + rows[:, None]
+        out = out_ptr + split * stride_split + tokens[None, :] * stride_out + rows[:, None]
         tl.store(out, acc, mask=row_ok[:, None] & token_ok[None, :])
 
 
 def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str,
-                      block_n: int = 64) -> torch.Tensor:
-    """The Triton path (see the module docstring); x has at most MAX_GEMV_TOKENS rows."""
+                      block_n: int = 64, split_k: int = 1) -> torch.Tensor:
+    """The Triton path (see the module docstring); x has at most MAX_GEMV_TOKENS rows. With `split_k` > 1 the
+    groups of each row block are shared among that many programs, whose fp32 partial sums are then added in a
+    fixed order (deterministic, unlike atomics) — more programs for long-K, few-row matrices."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     codec = codec_for(fmt)
@@ -114,13 +120,16 @@ def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int
     base = data[: n * planes[0].row_bytes]
     high = data[planes[1].offset :] if len(planes) == 3 else data
     scales = data[planes[-1].offset : planes[-1].offset + n * planes[-1].row_bytes].view(torch.float16)
-    out = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
+    split_k = max(1, min(split_k, gpr))
+    groups_per_split = triton.cdiv(gpr, split_k)
+    split_k = triton.cdiv(gpr, groups_per_split)
+    out = torch.empty((split_k, tokens, n), dtype=torch.float32, device=x.device)
     block_t = 16  # tl.dot needs at least 16 columns
-    _groupwise_gemv_kernel[(triton.cdiv(n, block_n),)](
-        xp, base, high, scales, out, tokens, n, gpr, xp.stride(0), out.stride(0),
+    _groupwise_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+        xp, base, high, scales, out, tokens, n, gpr, groups_per_split, xp.stride(0), out.stride(1), out.stride(0),
         BITS=codec.bits, GROUP=codec.group, HALF=codec.group // 2, BLOCK_N=block_n, BLOCK_T=block_t,
         IEEE=x.dtype == torch.float32)
-    return out
+    return out[0] if split_k == 1 else out.sum(dim=0)
 
 
 def quant_linear(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str) -> torch.Tensor:
