@@ -2,9 +2,9 @@
 
     app = create_app(engine, ServeConfig(model_id="qwen3.6-27b", api_key="secret"))
 
-Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize`, the OpenAI
-Chat Completions route, and the Responses and Anthropic Messages routes when their modules are present. From the
-outside in, every request passes:
+Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize`, and the
+routers of the OpenAI Chat Completions, Responses and Anthropic Messages modules (each exposes
+`router(state) -> APIRouter`). From the outside in, every request passes:
 
 1. CORS (with `cors`): `Access-Control-Allow-Origin: *`, any method and header; preflight answered here.
 2. The guard: one request-log line per request (except /health) once it has ended, and any unexpected exception
@@ -21,7 +21,6 @@ belongs to the caller, who starts it before serving and closes it afterwards.
 from __future__ import annotations
 
 import hmac
-import importlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -43,7 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import ninfer
 from ninfer.engine.scheduler import Engine
-from ninfer.serve import openai_chat
+from ninfer.serve import anthropic_messages, openai_chat, responses
 from ninfer.serve.common import (
     RECORD_KEY,
     APIError,
@@ -58,8 +57,6 @@ from ninfer.serve.common import (
 )
 
 MiB = 1 << 20
-# API modules written alongside this one; each exposes router(state) -> APIRouter and is included when importable
-OPTIONAL_API_MODULES = ("ninfer.serve.responses", "ninfer.serve.anthropic_messages")
 # every request-log line has these keys (None when they do not apply), in this order
 LOG_FIELDS = ("time", "id", "method", "endpoint", "status", "stream", "thinking", "prompt_tokens",
               "completion_tokens", "cached_tokens", "queue_seconds", "prefill_seconds", "decode_seconds",
@@ -124,15 +121,8 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, request_validation_error)
 
     app.include_router(_plain_routes(state))
-    app.include_router(openai_chat.router(state))
-    for name in OPTIONAL_API_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # the module exists but one of its imports is missing: that is a bug, say so
-                raise
-            continue
-        app.include_router(module.router(state))
+    for api in (openai_chat, responses, anthropic_messages):
+        app.include_router(api.router(state))
 
     # added innermost first
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
