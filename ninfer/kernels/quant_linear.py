@@ -39,12 +39,8 @@ if triton is not None:
     @triton.jit
     def _groupwise_gemv_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, gpr, groups_per_split,
                                stride_x, stride_out, stride_split,
-                               BITS: tl.constexpr, GROUP: tl.constexpr, STEP: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BITS: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
-        """Each step covers STEP // GROUP whole groups of BLOCK_N rows. q4-q6 work on lane pairs: j indexes
-        base bytes (lanes 2j and 2j+1), which are contiguous across groups in a row, as are the high-bit bytes
-        (j // 4 for q5, j // 2 for q6) and x's even / odd lanes (2j, 2j + 1); q8 works on lanes directly.
-        Weights are scaled in fp32 (exact: code times fp16 scale fits 24 bits) before `tl.dot`."""
         pid = tl.program_id(0)
         split = tl.program_id(1)  # split-K: this program sums groups [split * groups_per_split, ...) of its rows
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,62 +48,62 @@ if triton is not None:
         tokens = tl.arange(0, BLOCK_T)
         token_ok = tokens < T
         acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-        PAIRS: tl.constexpr = STEP if BITS == 8 else STEP // 2  # base bytes per row per step
-        LANES_PER_BYTE: tl.constexpr = 1 if BITS == 8 else 2
-        j = tl.arange(0, PAIRS)
+        lanes = tl.arange(0, HALF)
         first_group = split * groups_per_split
         last_group = tl.minimum(first_group + groups_per_split, gpr)
-        for g0 in tl.range(first_group, last_group, STEP // GROUP):
-            group = g0 + (j * LANES_PER_BYTE) // GROUP  # the group of each byte
-            ok = row_ok[:, None] & (group < last_group)[None, :]
-            scale = tl.load(scale_ptr + rows[:, None] * gpr + group[None, :], mask=ok, other=0.0).to(tl.float32)
-            lane0 = g0 * GROUP + j * LANES_PER_BYTE  # first lane of each byte, in the row
-            x_ok = token_ok[None, :] & (group < last_group)[:, None]
+        for g in tl.range(first_group, last_group):
+            scale = tl.load(scale_ptr + rows * gpr + g, mask=row_ok, other=0.0).to(tl.float32)
             if BITS == 8:
-                codes = tl.load(base_ptr + rows[:, None] * (gpr * GROUP) + lane0[None, :], mask=ok, other=0)
-                weights = codes.to(tl.int8).to(tl.float32) * scale
-                xs = tl.load(x_ptr + tokens[None, :] * stride_x + lane0[:, None], mask=x_ok, other=0.0)
-                if IEEE:
-                    acc += tl.dot(weights.to(xs.dtype), xs, input_precision="ieee")
-                else:
-                    acc += tl.dot(weights.to(xs.dtype), xs)
+                # one int8 per lane: treat the group as two halves of consecutive lanes
+                offs = rows[:, None] * (gpr * GROUP) + g * GROUP + lanes[None, :]
+                first = tl.load(base_ptr + offs, mask=row_ok[:, None], other=0).to(tl.int8).to(tl.int32)
+                second = tl.load(base_ptr + offs + HALF, mask=row_ok[:, None], other=0).to(tl.int8).to(tl.int32)
+                x_first = tl.load(x_ptr + tokens[None, :] * stride_x + g * GROUP + lanes[:, None],
+                                  mask=token_ok[None, :], other=0.0)
+                x_second = tl.load(x_ptr + tokens[None, :] * stride_x + g * GROUP + HALF + lanes[:, None],
+                                   mask=token_ok[None, :], other=0.0)
             else:
-                packed = tl.load(base_ptr + rows[:, None] * (gpr * (GROUP // 2)) + (g0 * (GROUP // 2) + j)[None, :],
-                                 mask=ok, other=0).to(tl.int32)
-                even = packed & 0xF
-                odd = (packed >> 4) & 0xF
-                if BITS == 5:  # bit 4 of lane i at bit i % 8 of byte i // 8: lanes 2j, 2j+1 in byte j // 4
-                    high_offsets = rows[:, None] * (gpr * (GROUP // 8)) + (g0 * (GROUP // 8) + j // 4)[None, :]
-                    high = tl.load(high_ptr + high_offsets, mask=ok, other=0).to(tl.int32)
-                    shift = (2 * (j % 4))[None, :]
-                    even = even | (((high >> shift) & 1) << 4)
-                    odd = odd | (((high >> (shift + 1)) & 1) << 4)
-                if BITS == 6:  # bits 4-5 of lane i at bits 2i, 2i+1 of the stream: lanes 2j, 2j+1 in byte j // 2
-                    high_offsets = rows[:, None] * (gpr * (GROUP // 4)) + (g0 * (GROUP // 4) + j // 2)[None, :]
-                    high = tl.load(high_ptr + high_offsets, mask=ok, other=0).to(tl.int32)
-                    shift = (4 * (j % 2))[None, :]
-                    even = even | (((high >> shift) & 3) << 4)
-                    odd = odd | (((high >> (shift + 2)) & 3) << 4)
+                # base plane: byte j holds lane 2j (low nibble) and lane 2j+1 (high nibble)
+                offs = rows[:, None] * (gpr * HALF) + g * HALF + lanes[None, :]
+                packed = tl.load(base_ptr + offs, mask=row_ok[:, None], other=0).to(tl.int32)
+                first = packed & 0xF
+                second = (packed >> 4) & 0xF
+                if BITS == 5:  # bit 4 of lane i at bit i % 8 of byte i // 8: lanes 2j, 2j+1 share byte j // 4
+                    hoffs = rows[:, None] * (gpr * (GROUP // 8)) + g * (GROUP // 8) + (lanes // 4)[None, :]
+                    high = tl.load(high_ptr + hoffs, mask=row_ok[:, None], other=0).to(tl.int32)
+                    shift = 2 * (lanes % 4)[None, :]
+                    first = first | (((high >> shift) & 1) << 4)
+                    second = second | (((high >> (shift + 1)) & 1) << 4)
+                if BITS == 6:  # bits 4-5 of lane i at bits 2i, 2i+1 of the stream: byte i // 4, shift 2 (i % 4)
+                    hoffs = rows[:, None] * (gpr * (GROUP // 4)) + g * (GROUP // 4) + (lanes // 2)[None, :]
+                    high = tl.load(high_ptr + hoffs, mask=row_ok[:, None], other=0).to(tl.int32)
+                    shift = 4 * (lanes % 2)[None, :]
+                    first = first | (((high >> shift) & 3) << 4)
+                    second = second | (((high >> (shift + 2)) & 3) << 4)
                 sign = 1 << (BITS - 1)
-                even = (even - ((even & sign) << 1)).to(tl.float32) * scale
-                odd = (odd - ((odd & sign) << 1)).to(tl.float32) * scale
-                x_even = tl.load(x_ptr + tokens[None, :] * stride_x + lane0[:, None], mask=x_ok, other=0.0)
-                x_odd = tl.load(x_ptr + tokens[None, :] * stride_x + lane0[:, None] + 1, mask=x_ok, other=0.0)
-                if IEEE:
-                    acc += tl.dot(even.to(x_even.dtype), x_even, input_precision="ieee")
-                    acc += tl.dot(odd.to(x_even.dtype), x_odd, input_precision="ieee")
-                else:
-                    acc += tl.dot(even.to(x_even.dtype), x_even) + tl.dot(odd.to(x_even.dtype), x_odd)
+                first = first - ((first & sign) << 1)
+                second = second - ((second & sign) << 1)
+                x_first = tl.load(x_ptr + tokens[None, :] * stride_x + g * GROUP + 2 * lanes[:, None],
+                                  mask=token_ok[None, :], other=0.0)
+                x_second = tl.load(x_ptr + tokens[None, :] * stride_x + g * GROUP + 2 * lanes[:, None] + 1,
+                                   mask=token_ok[None, :], other=0.0)
+            codes_first = first.to(x_first.dtype)
+            codes_second = second.to(x_first.dtype)
+            if IEEE:
+                part = tl.dot(codes_first, x_first, input_precision="ieee")
+                part += tl.dot(codes_second, x_second, input_precision="ieee")
+            else:
+                part = tl.dot(codes_first, x_first) + tl.dot(codes_second, x_second)
+            acc += part * scale[:, None]
         out = out_ptr + split * stride_split + tokens[None, :] * stride_out + rows[:, None]
         tl.store(out, acc, mask=row_ok[:, None] & token_ok[None, :])
 
 
 def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str,
-                      block_n: int = 64, split_k: int = 1, step: int = 256) -> torch.Tensor:
+                      block_n: int = 64, split_k: int = 1) -> torch.Tensor:
     """The Triton path (see the module docstring); x has at most MAX_GEMV_TOKENS rows. With `split_k` > 1 the
     groups of each row block are shared among that many programs, whose fp32 partial sums are then added in a
-    fixed order (deterministic, unlike atomics) — more programs for long-K, few-row matrices. `step` = values of
-    a row handled per loop step (a multiple of the group; 256 = 4 groups of 64 or 8 of 32)."""
+    fixed order (deterministic, unlike atomics) — more programs for long-K, few-row matrices."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     codec = codec_for(fmt)
@@ -124,8 +120,6 @@ def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int
     base = data[: n * planes[0].row_bytes]
     high = data[planes[1].offset :] if len(planes) == 3 else data
     scales = data[planes[-1].offset : planes[-1].offset + n * planes[-1].row_bytes].view(torch.float16)
-    if step % codec.group:
-        raise ValueError(f"step {step} is not a multiple of the group {codec.group}")
     split_k = max(1, min(split_k, gpr))
     groups_per_split = triton.cdiv(gpr, split_k)
     split_k = triton.cdiv(gpr, groups_per_split)
@@ -133,7 +127,7 @@ def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int
     block_t = 16  # tl.dot needs at least 16 columns
     _groupwise_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         xp, base, high, scales, out, tokens, n, gpr, groups_per_split, xp.stride(0), out.stride(1), out.stride(0),
-        BITS=codec.bits, GROUP=codec.group, STEP=step, BLOCK_N=block_n, BLOCK_T=block_t,
+        BITS=codec.bits, GROUP=codec.group, HALF=codec.group // 2, BLOCK_N=block_n, BLOCK_T=block_t,
         IEEE=x.dtype == torch.float32)
     return out[0] if split_k == 1 else out.sum(dim=0)
 
