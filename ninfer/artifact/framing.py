@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import struct
 import uuid
-from pathlib import Path
 
 ENTRY_MAGIC = b"NINFER\x00\x03"
 PART_MAGIC = b"NINPRT\x00\x03"
@@ -61,8 +60,3 @@ def parse_artifact_id(text: str) -> bytes:
 
 def format_artifact_id(raw: bytes) -> str:
     return str(uuid.UUID(bytes=raw))
-
-
-def artifact_files(entry: Path, part_count: int) -> list[Path]:
-    """The entry file followed by its continuation parts."""
-    return [entry] + [entry.with_name(part_name(entry.name, i)) for i in range(1, part_count + 1)]

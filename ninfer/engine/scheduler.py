@@ -171,7 +171,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.kv_capacity = kv_capacity or max_concurrency * llm.max_context
         self.cache = PrefixCache(llm.device, prefix_cache_bytes, host_cache_bytes)
-        im_end = llm.tokenizer.token_id("<|im_end|>")
+        im_end = llm.tokenizer.im_end_id
         self._boundary_ids = {im_end} if im_end is not None else set()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []

@@ -50,7 +50,6 @@ class Tokenizer:
         tokenizer_config = tokenizer_config or {}
         generation_config = generation_config or {}
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.model_max_length: int | None = tokenizer_config.get("model_max_length")
         self.eos_ids: list[int] = self._eos_ids(tokenizer_config, generation_config)
         self.pad_id: int | None = self._pad_id(tokenizer_config, generation_config)
         self.think_start_id = self.token_id("<think>")

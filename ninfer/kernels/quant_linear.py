@@ -9,8 +9,8 @@ Two paths with that contract:
     packed planes once — each program owns BLOCK_N output rows and walks their groups: the base nibbles (even
     lanes low, odd lanes high), the high-bit plane (q5: 1 bit, q6: 2 bits per lane), the fp16 scale; codes
     become exact small integers in x's dtype and meet x through `tl.dot` (fp32 accumulation).
-`quant_linear` picks the kernel on CUDA for T ≤ 16 and the reference otherwise. Runs under TRITON_INTERPRET=1
-(fp32 inputs there: the interpreter miscomputes bf16 `tl.dot`).
+Not yet called by the model (which decodes weights at load); the GPU fast path will choose the kernel on CUDA
+for T ≤ 16. Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf16 `tl.dot`).
 """
 
 from __future__ import annotations
@@ -130,10 +130,3 @@ def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int
         BITS=codec.bits, GROUP=codec.group, HALF=codec.group // 2, BLOCK_N=block_n, BLOCK_T=block_t,
         IEEE=x.dtype == torch.float32)
     return out[0] if split_k == 1 else out.sum(dim=0)
-
-
-def quant_linear(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str) -> torch.Tensor:
-    """y = x · Wᵀ (fp32): the Triton GEMV on CUDA for T ≤ 16 tokens, the exact reference otherwise."""
-    if x.is_cuda and triton is not None and x.shape[0] <= MAX_GEMV_TOKENS:
-        return quant_linear_gemv(x, data, shape, fmt)
-    return quant_linear_reference(x, data, shape, fmt)

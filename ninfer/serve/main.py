@@ -87,21 +87,12 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def kv_capacity_arg(text: str) -> int | str:
-    """`--kv-capacity`: a positive token count or "auto"."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a token count") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser, positive_int: Callable[[str], int]) -> None:
     """The `ninfer serve` flags (`positive_int`: the CLI's positive-integer argument type)."""
+
+    def kv_capacity_arg(text: str) -> int | str:  # a positive token count or "auto"
+        return text if text == "auto" else positive_int(text)
+
     parser.add_argument("model", nargs="?", type=Path, help="a .ninfer artifact (default: the embedded demo model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default %(default)s)")
