@@ -21,3 +21,9 @@ def parse_device(name: str) -> torch.device:
     elif device.type != "cpu":
         raise NinferError(f"unsupported device {name!r}; use cpu, cuda or cuda:N")
     return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), before reading a host clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

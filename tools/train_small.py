@@ -198,11 +198,6 @@ def save_checkpoint(out: Path, model, mtp, kind: str, log: dict) -> None:
     (out / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(SHAPES), required=True)
@@ -226,6 +221,8 @@ def main() -> None:
 
     from corpus import load_split
     from tokenizers import Tokenizer
+
+    from ninfer.devices import synchronize
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
@@ -264,10 +261,10 @@ def main() -> None:
     calibration_start = 0.0
     while args.steps is None or step < args.steps:
         if args.steps is None and step == 10:
-            _sync(device)
+            synchronize(device)
             calibration_start = time.time()
         if args.steps is None and step == CALIBRATION_STEPS:
-            _sync(device)
+            synchronize(device)
             per_step = (time.time() - calibration_start) / (CALIBRATION_STEPS - 10)
             args.steps = max(CALIBRATION_STEPS + 1, int(60 * args.time_budget / per_step))
             print(f"calibrated: {per_step * 1000:.0f} ms per step -> --steps {args.steps}", flush=True)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ninfer.artifact.reader import Artifact
-from ninfer.devices import parse_device
+from ninfer.devices import parse_device, synchronize
 from ninfer.engine.output import Completion, OutputPipeline
 from ninfer.errors import NinferError
 from ninfer.frontend import ChatTemplate, Tokenizer
@@ -113,7 +113,7 @@ class LLM:
             state = self.model.new_state(min(self.max_context, len(ids) + params.max_tokens))
             started = time.perf_counter()
             logits = self.model.forward(prompt_tensor, state)
-            _sync(self.device)
+            synchronize(self.device)
             stats.prefill_seconds = time.perf_counter() - started
             started = time.perf_counter()
             while True:
@@ -121,7 +121,7 @@ class LLM:
                 if output.done:
                     break
                 logits = self.model.forward(torch.tensor(output.completion.token_ids[-1:], device=self.device), state)
-            _sync(self.device)
+            synchronize(self.device)
             stats.decode_seconds = time.perf_counter() - started
         stats.generated_tokens = len(output.completion.token_ids)
         yield Finished(output.completion)
@@ -140,8 +140,3 @@ class LLM:
             if isinstance(event, Finished):
                 return event.completion
         raise AssertionError("a stream always ends with Finished")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ninfer.devices import synchronize
 from ninfer.engine.llm import LLM, Finished, PromptTooLongError
 from ninfer.engine.output import Completion, OutputPipeline
 from ninfer.errors import NinferError
@@ -355,7 +356,7 @@ class Engine:
                     self.cache.put(key, self._snapshot(state))
             if end == len(ids):
                 sequence.logits = logits
-                _sync(self.llm.device)
+                synchronize(self.llm.device)
                 output.completion.stats.prefill_seconds = time.perf_counter() - sequence.prefill_started
                 sequence.decode_started = time.perf_counter()
             return
@@ -392,8 +393,3 @@ class Engine:
             else:
                 getattr(state, kind)[layer] = tensor.clone()
         state.length = snapshot.length
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

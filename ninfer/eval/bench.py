@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ninfer.devices import synchronize
 from ninfer.engine.llm import LLM
 from ninfer.errors import NinferError
 from ninfer.model.config import FULL_ATTENTION
@@ -44,20 +45,16 @@ class BenchReport:
     peak_memory_bytes: int = 0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def _timed(device: torch.device, work, repeats: int = 5) -> float:
     """Median seconds of `work()` after one warm-up call."""
     work()
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         work()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2]
 
@@ -129,12 +126,12 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
                 ids = torch.randint(0, vocab, (context,), generator=generator).to(device)
                 tokens.append(int(torch.argmax(model.forward(ids, state))))
                 states.append(state)
-            _sync(device)
+            synchronize(device)
             started = time.perf_counter()
             for _ in range(new_tokens):
                 for i, state in enumerate(states):
                     tokens[i] = int(torch.argmax(model.forward(torch.tensor([tokens[i]], device=device), state)))
-            _sync(device)
+            synchronize(device)
             seconds = time.perf_counter() - started
             step_bytes = weight_bytes + batch * _state_bytes(llm, context + new_tokens // 2)
             floor = step_bytes / limits.read_bytes_per_second
