@@ -1,5 +1,5 @@
-"""The Triton groupwise GEMV against the exact reference (decode + fp32 matmul), under the Triton interpreter on
-the CPU (tests/conftest.py switches it on); real shapes on CUDA are in tests/test_quant_linear_gpu.py."""
+"""The Triton groupwise GEMV and dequantizer against the exact reference (decode + fp32 matmul), under the Triton
+interpreter on the CPU (tests/conftest.py switches it on); real shapes on CUDA are in tests/test_quant_linear_gpu.py."""
 
 from __future__ import annotations
 
@@ -10,26 +10,64 @@ import torch
 
 pytest.importorskip("triton")
 
-from ninfer.kernels.quant_linear import quant_linear_gemv, quant_linear_reference
+from ninfer.kernels.quant_linear import dequantize, quant_linear_gemv, quant_linear_reference
 from ninfer.quant import codec_for
 
 FORMATS = ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"]
 RELATIVE_TOLERANCE = 1e-5  # fp32 on both sides; only the summation order differs
+BF16_ULP = 2.0**-7
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
+
+
+def _matrix(fmt, n, k, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator)
+    return codec_for(fmt).encode(weight).to(DEVICE), generator
+
+
+def _relative(got, expected):
+    return float((got - expected).abs().max() / expected.abs().max())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("tokens", "n", "k", "split_k"), [(1, 40, 130, 1), (3, 64, 256, 1), (16, 70, 64, 1),
-                                                          (2, 40, 640, 3), (5, 24, 384, 8)])
-def test_gemv_equals_the_reference(fmt, tokens, n, k, split_k):
-    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
-    generator = torch.Generator().manual_seed(n * k + tokens)
-    weight = torch.randn(n, k, generator=generator)
-    data = codec_for(fmt).encode(weight).to(device)
-    x = torch.randn(tokens, k, generator=generator).to(device)
+@pytest.mark.parametrize(("tokens", "n", "k", "block_k"), [(1, 40, 130, 256), (1, 24, 1024, 512), (3, 64, 256, 256),
+                                                          (16, 70, 64, 128), (2, 40, 640, 128)])
+def test_gemv_equals_the_reference(fmt, tokens, n, k, block_k):
+    data, generator = _matrix(fmt, n, k, n * k + tokens)
+    x = torch.randn(tokens, k, generator=generator).to(DEVICE)
     expected = quant_linear_reference(x, data, (n, k), fmt)
-    got = quant_linear_gemv(x, data, (n, k), fmt, block_n=16, split_k=split_k)
-    error = float((got - expected).abs().max() / expected.abs().max())
-    assert error < RELATIVE_TOLERANCE, f"{fmt} T={tokens} [{n}, {k}]: relative error {error:.2e}"
+    got = quant_linear_gemv(x, data, (n, k), fmt, block_n=16, block_k=block_k)
+    assert _relative(got, expected) < RELATIVE_TOLERANCE, f"{fmt} T={tokens} [{n}, {k}]"
+
+
+@pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])
+@pytest.mark.parametrize("x_per_slot", [1, 2])
+def test_gathered_gemv_uses_each_slots_expert_and_input_row(fmt, x_per_slot):
+    experts, rows, k = 5, 24, 256
+    data, generator = _matrix(fmt, experts * rows, k, 7 + x_per_slot)
+    chosen = torch.tensor([3, 0, 3, 4], dtype=torch.int32)
+    x = torch.randn(chosen.numel() // x_per_slot, k, generator=generator).to(DEVICE)
+    got = quant_linear_gemv(x, data, (experts * rows, k), fmt, block_n=16, experts=chosen.to(DEVICE), expert_rows=rows,
+                           x_per_slot=x_per_slot)
+    weight = codec_for(fmt).decode(data, (experts * rows, k)).view(experts, rows, k)
+    for slot, expert in enumerate(chosen.tolist()):
+        expected = x[slot // x_per_slot].float() @ weight[expert].T
+        assert _relative(got[slot], expected) < RELATIVE_TOLERANCE, f"slot {slot} (expert {expert})"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_equals_the_codec(fmt):
+    n, k = 20, 200  # partial last group and a padded tile
+    data, _ = _matrix(fmt, n, k, 3)
+    expected = codec_for(fmt).decode(data, (n, k))
+    assert torch.equal(dequantize(data, (n, k), fmt, dtype=torch.float32), expected)
+    scratch = torch.zeros(n * k + 50, dtype=torch.bfloat16, device=DEVICE)
+    got = dequantize(data, (n, k), fmt, out=scratch).float()
+    if DEVICE == "cuda":  # one round-to-nearest-even from the exact fp32 value
+        assert torch.equal(got, expected.to(torch.bfloat16).float())
+    else:  # the interpreter truncates fp32 -> bf16: within one bf16 ulp of the exact value
+        assert float(((got - expected).abs() / expected.abs().clamp_min(1e-30)).max()) < BF16_ULP
+    assert scratch[n * k :].eq(0).all(), "wrote past the matrix"
 
 
 def test_gemv_refuses_what_it_does_not_do():

@@ -1,0 +1,176 @@
+"""The batched Gated DeltaNet decode kernels against the torch reference path of `Qwen35Model.gated_deltanet`, under
+the Triton interpreter on the CPU (tests/conftest.py switches it on), at a tiny non-power-of-two config; the real
+shapes on CUDA are in tests/test_gdn_decode_gpu.py, which reuses `decode_and_compare`."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from ninfer.kernels.conv1d import causal_conv1d
+from ninfer.kernels.gated_delta_rule import gated_delta_rule_recurrent, l2_normalize
+from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
+from ninfer.kernels.norm import rms_norm_gated
+
+
+class Dims(NamedTuple):
+    k_heads: int
+    k_dim: int
+    v_heads: int
+    v_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+class Tolerance(NamedTuple):
+    atol: float
+    rtol: float
+
+
+TINY = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=24)
+EPS = 1e-6
+# fp32: both sides compute in fp32, only the summation order (and exp/rsqrt ulps) differ
+FP32_OUT, FP32_STATE = Tolerance(1e-5, 1e-4), Tolerance(1e-6, 1e-5)
+
+
+def reference_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """`causal_conv1d` row by row on the pooled windows (updated in place), as the model runs one sequence."""
+    rows = []
+    for b, slot in enumerate(slots):
+        out, conv_state[slot] = causal_conv1d(x[b : b + 1], weight, conv_state[slot])
+        rows.append(out)
+    return torch.cat(rows)
+
+
+def reference_gdn(mixed: torch.Tensor, z: torch.Tensor, a_b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                  norm_weight: torch.Tensor, state: torch.Tensor, slots: list[int], d: Dims) -> torch.Tensor:
+    """`Qwen35Model.gated_deltanet` after the conv for T = 1, row by row on the pooled states (updated in place)."""
+    key_rows = d.k_heads * d.k_dim
+    rows = []
+    for b, slot in enumerate(slots):
+        m = mixed[b : b + 1]
+        q = m[:, :key_rows].reshape(1, d.k_heads, d.k_dim)
+        k = m[:, key_rows : 2 * key_rows].reshape(1, d.k_heads, d.k_dim)
+        v = m[:, 2 * key_rows :].reshape(1, d.v_heads, d.v_dim)
+        a, b_gate = a_b[b : b + 1, : d.v_heads], a_b[b : b + 1, d.v_heads :]
+        beta = torch.sigmoid(b_gate).float()
+        g = -torch.exp(a_log) * F.softplus(a.float() + dt_bias)
+        q = l2_normalize(q) * d.k_dim**-0.5
+        k = l2_normalize(k)
+        repeat = d.v_heads // d.k_heads
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        o, state[slot] = gated_delta_rule_recurrent(q, k, v.float(), g, beta, state[slot])
+        o = rms_norm_gated(o.to(mixed.dtype), z[b : b + 1].reshape(1, d.v_heads, d.v_dim), norm_weight, EPS)
+        rows.append(o.reshape(1, -1))
+    return torch.cat(rows)
+
+
+def decode_and_compare(d: Dims, slots: list[int], pool: int, steps: int, dtype: torch.dtype, device: str,
+                       out_tol: Tolerance, state_tol: Tolerance, slot_dtype: torch.dtype = torch.int64) -> None:
+    """`steps` decode steps of B = len(slots) rows through both paths, the state pools carried: each step the
+    conv outputs, the GDN outputs (both fed the kernel's conv output) and the pools must agree, the conv windows
+    exactly, and the slots no row uses must stay bit-identical."""
+    generator = torch.Generator().manual_seed(len(slots) * 1000 + steps)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * scale).to(device)
+
+    B, C, K = len(slots), d.channels, d.conv_kernel
+    value_rows = d.v_heads * d.v_dim
+    weight = randn(C, K, scale=0.5).to(dtype)
+    a_log, dt_bias = randn(d.v_heads, scale=0.5), randn(d.v_heads)
+    norm_weight = (1.0 + randn(d.v_dim, scale=0.1)).to(dtype)
+    conv_pool = randn(pool, C, K - 1).to(dtype)
+    state_pool = randn(pool, d.v_heads, d.k_dim, d.v_dim, scale=0.1)
+    ref_conv_pool, ref_state_pool = conv_pool.clone(), state_pool.clone()
+    initial_conv, initial_state = conv_pool.clone(), state_pool.clone()
+    untouched = [s for s in range(pool) if s not in slots]
+    slot_tensor = torch.tensor(slots, dtype=slot_dtype, device=device)
+    for step in range(steps):
+        # row-slice views with a row stride, as the model's projections give them
+        x = randn(B, C + 7).to(dtype)[:, 3 : 3 + C]
+        z = randn(B, 2 * value_rows).to(dtype)[:, value_rows:]
+        a_b = randn(B, 2 * d.v_heads + 5, scale=2.0).to(dtype)[:, 5:]
+
+        expected_mixed = reference_conv(x, weight, ref_conv_pool, slots)
+        mixed = conv1d_update(x, weight, conv_pool, slot_tensor)
+        torch.testing.assert_close(mixed, expected_mixed, atol=out_tol.atol, rtol=out_tol.rtol,
+                                   msg=lambda m, step=step: f"conv out, step {step}: {m}")
+        assert torch.equal(conv_pool, ref_conv_pool), f"conv windows differ after step {step}"
+
+        expected = reference_gdn(mixed, z, a_b, a_log, dt_bias, norm_weight, ref_state_pool, slots, d)
+        got = gated_delta_decode(mixed, z, a_b, a_log, dt_bias, norm_weight, state_pool, slot_tensor,
+                                 d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
+        assert got.dtype == dtype and got.shape == (B, value_rows)
+        torch.testing.assert_close(got, expected, atol=out_tol.atol, rtol=out_tol.rtol,
+                                   msg=lambda m, step=step: f"gdn out, step {step}: {m}")
+        torch.testing.assert_close(state_pool, ref_state_pool, atol=state_tol.atol, rtol=state_tol.rtol,
+                                   msg=lambda m, step=step: f"recurrent state, step {step}: {m}")
+    for s in untouched:
+        assert torch.equal(state_pool[s], initial_state[s]), f"state slot {s} was written"
+        assert torch.equal(conv_pool[s], initial_conv[s]), f"conv slot {s} was written"
+
+
+def _device() -> str:
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
+
+
+@pytest.mark.parametrize("slots", [[0], [2, 0, 5]])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_decode_steps_equal_the_reference(slots, slot_dtype):
+    decode_and_compare(TINY, slots, pool=6, steps=3, dtype=torch.float32, device=_device(), out_tol=FP32_OUT,
+                       state_tol=FP32_STATE, slot_dtype=slot_dtype)
+
+
+def test_decode_handles_one_key_head_per_value_head():
+    decode_and_compare(Dims(k_heads=3, k_dim=8, v_heads=3, v_dim=8, conv_kernel=2), [1, 3], pool=4, steps=2,
+                       dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE)
+
+
+def test_conv_window_shifts_in_the_new_inputs_exactly():
+    device, C, K = _device(), 37, 4
+    pool = torch.randn(3, C, K - 1, device=device)
+    initial = pool.clone()
+    weight = torch.randn(C, K, device=device)
+    slots = torch.tensor([2, 0], device=device)
+    inputs = [torch.randn(2, C, device=device) for _ in range(K)]
+    for step, x in enumerate(inputs):
+        conv1d_update(x, weight, pool, slots)
+        for row, slot in enumerate((2, 0)):
+            history = torch.cat([initial[slot], torch.stack([x_[row] for x_ in inputs[: step + 1]], dim=1)], dim=1)
+            assert torch.equal(pool[slot], history[:, -(K - 1) :]), f"slot {slot} after step {step}"
+    assert torch.equal(pool[1], initial[1])
+
+
+def test_kernels_refuse_inconsistent_inputs():
+    d, B = TINY, 2
+    mixed, z, a_b = torch.randn(B, d.channels), torch.randn(B, d.v_heads * d.v_dim), torch.randn(B, 2 * d.v_heads)
+    vectors = (torch.zeros(d.v_heads), torch.zeros(d.v_heads), torch.ones(d.v_dim))
+    state, slots = torch.zeros(3, d.v_heads, d.k_dim, d.v_dim), torch.tensor([0, 1])
+    dims = (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
+    with pytest.raises(ValueError, match="mixed must be"):
+        gated_delta_decode(mixed[:, :-1], z, a_b, *vectors, state, slots, *dims)
+    with pytest.raises(ValueError, match="unit column stride"):
+        gated_delta_decode(mixed, z.T.contiguous().T, a_b, *vectors, state, slots, *dims)
+    with pytest.raises(ValueError, match="state must be"):
+        gated_delta_decode(mixed, z, a_b, *vectors, state.double(), slots, *dims)
+    with pytest.raises(ValueError, match="multiple of k_heads"):
+        gated_delta_decode(mixed, z, a_b, *vectors, state, slots, 3, d.k_dim, d.v_heads, d.v_dim, EPS)
+    with pytest.raises(ValueError, match="slots must be"):
+        gated_delta_decode(mixed, z, a_b, *vectors, state, slots.float(), *dims)
+    x, weight = torch.randn(B, 8), torch.randn(8, 4)
+    with pytest.raises(ValueError, match="conv_state must be"):
+        conv1d_update(x, weight, torch.zeros(3, 8, 4), slots)
+    with pytest.raises(ValueError, match="conv_state must be"):
+        conv1d_update(x, weight, torch.zeros(3, 8, 3, dtype=torch.bfloat16), slots)
+    with pytest.raises(ValueError, match="weight must be"):
+        conv1d_update(x, torch.randn(9, 4), torch.zeros(3, 8, 3), slots)
