@@ -6,13 +6,14 @@ of W, `fmt` its format. y[t, n] = Σ_k x[t, k] · scale[n, k // G] · code[n, k]
 Three paths with that contract:
   * `quant_linear_reference`: decode W exactly (ninfer.quant) and multiply in fp32 — the oracle, any device;
   * `quant_linear_gemv`: a Triton kernel for few tokens (decode, speculative verify: T ≤ 16) that reads the
-    packed planes once. Each program owns BLOCK_N rows and walks K in tiles of BLOCK_K lanes: one wide load of
-    the row's base bytes (q4/q5/q6: even lane in the low nibble, odd lane in the high one; q8: a byte a lane,
-    split into even/odd lanes), the high-bit plane of the same lanes (q5: 1 bit, q6: 2 bits), and the tile's
-    fp16 scales. T = 1 multiplies codes by x in fp32, sums each group and scales it (exact products);
-    T > 1 rounds the scaled weights to x's dtype (as the reference model's decoded weights are) and meets x
-    through `tl.dot` with fp32 accumulation. With `experts`, the kernel gathers: output row s uses the
-    `rows`-row block of expert `experts[s]` and input row `s // x_per_slot` (the MoE decode GEMV);
+    packed planes once. Each program owns BLOCK_N rows and walks K in tiles of BLOCK_K lanes, loading the base
+    plane as 32-bit words (8 lanes of nibbles, or 4 int8 lanes for q8), the high units of the same lanes (q5:
+    a byte, q6: 16 bits per word) and the tile's fp16 scales; lane p of every word is turned into an exact fp32
+    code with integer ops and one subtraction (magic-number conversion), so the lanes of a word meet x[LPW·w + p].
+    T = 1 multiplies codes by x in fp32, sums each group and scales it (exact products); T > 1 rounds the scaled
+    weights to x's dtype (as the reference model's decoded weights are) and meets x through `tl.dot` with fp32
+    accumulation. With `experts`, the kernel gathers: output row s uses the `expert_rows`-row block of expert
+    `experts[s]` and input row `s // x_per_slot` (the MoE decode GEMV);
   * `dequantize`: the same unpacking into a bf16 `[N, K]` matrix, for the prefill route (dequantize to scratch,
     then cuBLAS) — `quant_linear` picks the route by T.
 Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf16 `tl.dot`).
@@ -42,50 +43,53 @@ def quant_linear_reference(x: torch.Tensor, data: torch.Tensor, shape: tuple[int
 if triton is not None:
 
     @triton.jit
-    def _unpack_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_bytes, high_row_bytes, gpr,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Codes of lanes [k0, k0 + BLOCK_K) of rows `wrows` as fp32 (even lanes, odd lanes) `[BN, BLOCK_K/2]`
-        and the tile's scales `[BN, BLOCK_K/GROUP]` fp32."""
-        half = tl.arange(0, BLOCK_K // 2)
+    def _lane_values(words, high, p: tl.constexpr, BITS: tl.constexpr):
+        """Codes of lanes k0 + LPW·w + p (w < WORDS, LPW = lanes per 32-bit base word: 8, or 4 for q8) of the
+        tile, exactly, as fp32 `[BN, WORDS]`, from its base words and high units (`_load_tile`). The int → float step is
+        the magic-number one (OR the offset-binary code into the mantissa of 2^23, subtract), not a conversion
+        instruction: conversions run at a quarter of the FP32 rate and would bound the kernel."""
         if BITS == 8:
-            lanes = tl.arange(0, BLOCK_K)
-            codes = tl.load(base_ptr + wrows[:, None] * row_bytes + (k0 + lanes)[None, :]).to(tl.int8)
-            even, odd = tl.split(tl.reshape(codes, [BLOCK_N, BLOCK_K // 2, 2]))
-            even = even.to(tl.float32)
-            odd = odd.to(tl.float32)
+            u = ((words >> (8 * p)) & 0xFF) ^ (0x4B000000 | 0x80)
+            return u.to(tl.float32, bitcast=True) - (8388608.0 + 128.0)
+        nibble = (words >> (4 * p)) & 0xF
+        if BITS == 4:
+            return (nibble ^ (0x4B000000 | 0x8)).to(tl.float32, bitcast=True) - (8388608.0 + 8.0)
+        if BITS == 5:  # bit 4 of lane i is bit i % 8 of high byte i // 8: byte w of the row for word w
+            bits = ((high >> p) & 1) << 4
+            return ((nibble | bits) ^ (0x4B000000 | 0x10)).to(tl.float32, bitcast=True) - (8388608.0 + 16.0)
+        # q6: bits 4-5 of lane i are bits 2i, 2i+1 of the high stream: 16-bit unit w of the row for word w
+        bits = ((high >> (2 * p)) & 3) << 4
+        return ((nibble | bits) ^ (0x4B000000 | 0x20)).to(tl.float32, bitcast=True) - (8388608.0 + 32.0)
+
+    @triton.jit
+    def _load_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words, high_row_units, gpr, BITS: tl.constexpr,
+                   LPW: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The tile's base words `[BN, BLOCK_K / LPW]` int32, its high units (q5: a byte, q6: 16 bits per word;
+        else the words again, unused) as int32, and its scales `[BN, BLOCK_K / GROUP]` fp32."""
+        WORDS: tl.constexpr = BLOCK_K // LPW
+        words = tl.load(base_ptr + wrows[:, None] * row_words + (k0 // LPW + tl.arange(0, WORDS))[None, :])
+        if BITS == 5 or BITS == 6:
+            high = tl.load(high_ptr + wrows[:, None] * high_row_units + (k0 // 8 + tl.arange(0, WORDS))[None, :])
+            high = high.to(tl.int32) & (0xFF if BITS == 5 else 0xFFFF)
         else:
-            packed = tl.load(base_ptr + wrows[:, None] * row_bytes + (k0 // 2 + half)[None, :]).to(tl.int32)
-            even = packed & 0xF
-            odd = (packed >> 4) & 0xF
-            if BITS == 5:  # bit 4 of lane i at bit i % 8 of byte i // 8: bytes j of the base hold lanes 2j, 2j+1
-                hbyte = (k0 // 2 + half) // 4
-                high = tl.load(high_ptr + wrows[:, None] * high_row_bytes + hbyte[None, :]).to(tl.int32)
-                shift = 2 * (half % 4)[None, :]
-                even = even | (((high >> shift) & 1) << 4)
-                odd = odd | (((high >> (shift + 1)) & 1) << 4)
-            if BITS == 6:  # bits 4-5 of lane i at bits 2i, 2i+1 of the stream: byte i // 4, shift 2 (i % 4)
-                hbyte = (k0 // 2 + half) // 2
-                high = tl.load(high_ptr + wrows[:, None] * high_row_bytes + hbyte[None, :]).to(tl.int32)
-                shift = 4 * (half % 2)[None, :]
-                even = even | (((high >> shift) & 3) << 4)
-                odd = odd | (((high >> (shift + 2)) & 3) << 4)
-            sign = 1 << (BITS - 1)
-            even = (even - ((even & sign) << 1)).to(tl.float32)
-            odd = (odd - ((odd & sign) << 1)).to(tl.float32)
+            high = words
         groups = tl.arange(0, BLOCK_K // GROUP)
         scale = tl.load(scale_ptr + wrows[:, None] * gpr + (k0 // GROUP + groups)[None, :]).to(tl.float32)
-        return even, odd, scale
+        return words, high, scale
 
     @triton.jit
     def _gemv_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
-                     T, N, k_pad, row_bytes, high_row_bytes, gpr, stride_x, stride_out,
+                     T, N, k_pad, row_words, high_row_units, gpr, stride_x, stride_out,
                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_T: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, IEEE: tl.constexpr):
+        LPW: tl.constexpr = 4 if BITS == 8 else 8  # lanes per 32-bit base word
+        WORDS: tl.constexpr = BLOCK_K // LPW
+        WPG: tl.constexpr = GROUP // LPW  # words per group (8 in every format)
+        NG: tl.constexpr = BLOCK_K // GROUP
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         safe_rows = tl.minimum(rows, N - 1).to(tl.int64)  # unmasked (vectorisable) loads; the store masks
-        half = tl.arange(0, BLOCK_K // 2)
-        NG: tl.constexpr = BLOCK_K // GROUP
+        w_idx = tl.arange(0, WORDS)
         if GATHER:
             slot = tl.program_id(1)
             wrows = tl.load(expert_ptr + slot).to(tl.int64) * N + safe_rows
@@ -98,48 +102,56 @@ if triton is not None:
         if BLOCK_T == 1:
             acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
             for k0 in tl.range(0, k_pad, BLOCK_K):
-                even, odd, scale = _unpack_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_bytes,
-                                                high_row_bytes, gpr, BITS, GROUP, BLOCK_N, BLOCK_K)
-                x_even = tl.load(x_base + k0 + 2 * half).to(tl.float32)
-                x_odd = tl.load(x_base + k0 + 2 * half + 1).to(tl.float32)
-                prod = even * x_even[None, :] + odd * x_odd[None, :]
-                acc += tl.sum(tl.reshape(prod, [BLOCK_N, NG, GROUP // 2]), axis=2) * scale
+                words, high, scale = _load_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words,
+                                                high_row_units, gpr, BITS, LPW, GROUP, BLOCK_K)
+                part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+                for p in tl.static_range(LPW):
+                    x_p = tl.load(x_base + k0 + LPW * w_idx + p).to(tl.float32)
+                    codes = _lane_values(words, high, p, BITS)
+                    part += codes * x_p[None, :]
+                acc += tl.sum(tl.reshape(part, [BLOCK_N, NG, WPG]), axis=2) * scale
             tl.store(out_base + rows, tl.sum(acc, axis=1), mask=row_ok)
         else:
             tokens = tl.arange(0, BLOCK_T)
             token_ok = tokens < T
             acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
             for k0 in tl.range(0, k_pad, BLOCK_K):
-                even, odd, scale = _unpack_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_bytes,
-                                                high_row_bytes, gpr, BITS, GROUP, BLOCK_N, BLOCK_K)
-                x_even = tl.load(x_base + tokens[None, :] * stride_x + (k0 + 2 * half)[:, None],
-                                 mask=token_ok[None, :], other=0.0)
-                x_odd = tl.load(x_base + tokens[None, :] * stride_x + (k0 + 2 * half + 1)[:, None],
-                                mask=token_ok[None, :], other=0.0)
-                w_even = tl.reshape(tl.reshape(even, [BLOCK_N, NG, GROUP // 2]) * scale[:, :, None],
-                                    [BLOCK_N, BLOCK_K // 2]).to(x_even.dtype)
-                w_odd = tl.reshape(tl.reshape(odd, [BLOCK_N, NG, GROUP // 2]) * scale[:, :, None],
-                                   [BLOCK_N, BLOCK_K // 2]).to(x_even.dtype)
-                if IEEE:
-                    acc += tl.dot(w_even, x_even, input_precision="ieee")
-                    acc += tl.dot(w_odd, x_odd, input_precision="ieee")
-                else:
-                    acc += tl.dot(w_even, x_even) + tl.dot(w_odd, x_odd)
+                words, high, scale = _load_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words,
+                                                high_row_units, gpr, BITS, LPW, GROUP, BLOCK_K)
+                for p in tl.static_range(LPW):
+                    x_p = tl.load(x_base + tokens[None, :] * stride_x + (k0 + LPW * w_idx + p)[:, None],
+                                  mask=token_ok[None, :], other=0.0)
+                    codes = _lane_values(words, high, p, BITS)
+                    w_p = tl.reshape(tl.reshape(codes, [BLOCK_N, NG, WPG]) * scale[:, :, None], [BLOCK_N, WORDS])
+                    if IEEE:
+                        acc += tl.dot(w_p.to(x_p.dtype), x_p, input_precision="ieee")
+                    else:
+                        acc += tl.dot(w_p.to(x_p.dtype), x_p)
             out = out_base + tokens[None, :] * stride_out + rows[:, None]
             tl.store(out, acc, mask=row_ok[:, None] & token_ok[None, :])
 
     @triton.jit
-    def _dequantize_kernel(base_ptr, high_ptr, scale_ptr, out_ptr, N, K, row_bytes, high_row_bytes, gpr,
+    def _dequantize_kernel(base_ptr, high_ptr, scale_ptr, out_ptr, N, K, row_words, high_row_units, gpr,
                            BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        LPW: tl.constexpr = 4 if BITS == 8 else 8
+        WORDS: tl.constexpr = BLOCK_K // LPW
+        NG: tl.constexpr = BLOCK_K // GROUP
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
         safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
-        even, odd, scale = _unpack_tile(base_ptr, high_ptr, scale_ptr, safe_rows, k0, row_bytes, high_row_bytes,
-                                        gpr, BITS, GROUP, BLOCK_N, BLOCK_K)
-        NG: tl.constexpr = BLOCK_K // GROUP
-        w_even = tl.reshape(tl.reshape(even, [BLOCK_N, NG, GROUP // 2]) * scale[:, :, None], [BLOCK_N, BLOCK_K // 2])
-        w_odd = tl.reshape(tl.reshape(odd, [BLOCK_N, NG, GROUP // 2]) * scale[:, :, None], [BLOCK_N, BLOCK_K // 2])
-        w = tl.reshape(tl.join(w_even, w_odd), [BLOCK_N, BLOCK_K])  # lanes back in order: 2j, 2j+1
+        words, high, scale = _load_tile(base_ptr, high_ptr, scale_ptr, safe_rows, k0, row_words, high_row_units, gpr,
+                                        BITS, LPW, GROUP, BLOCK_K)
+        # codes of lanes LPW·w + p for every p, interleaved back into lane order with joins
+        c01 = tl.join(_lane_values(words, high, 0, BITS), _lane_values(words, high, 1, BITS))
+        c23 = tl.join(_lane_values(words, high, 2, BITS), _lane_values(words, high, 3, BITS))
+        if LPW == 8:
+            c45 = tl.join(_lane_values(words, high, 4, BITS), _lane_values(words, high, 5, BITS))
+            c67 = tl.join(_lane_values(words, high, 6, BITS), _lane_values(words, high, 7, BITS))
+            codes = tl.permute(tl.join(tl.join(c01, c23), tl.join(c45, c67)), (0, 1, 4, 3, 2))
+        else:
+            codes = tl.permute(tl.join(c01, c23), (0, 1, 3, 2))
+        codes = tl.reshape(codes, [BLOCK_N, NG, GROUP])
+        w = tl.reshape(codes * scale[:, :, None], [BLOCK_N, BLOCK_K])
         lanes = k0 + tl.arange(0, BLOCK_K)
         out = out_ptr + rows[:, None].to(tl.int64) * K + lanes[None, :]
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (lanes < K)[None, :])
@@ -150,10 +162,20 @@ def _planes(data: torch.Tensor, shape: tuple[int, int], fmt: str) -> tuple:
     if not isinstance(codec, GroupwiseCodec):
         raise ValueError(f"{fmt} is not a groupwise format")
     planes = codec.planes(shape)
-    high = data[planes[1].offset :] if len(planes) == 3 else data
-    scales = data[planes[-1].offset :].view(torch.uint8)
-    scales = scales[: scales.numel() // 2 * 2].view(torch.float16)
-    return codec, data, high, scales, planes
+    n = shape[0]
+    base = data[: n * planes[0].row_bytes].view(torch.int32)
+    if len(planes) == 3:  # q5: one high byte per 8 lanes; q6: one 16-bit unit per 8 lanes
+        high = data[planes[1].offset : planes[1].offset + n * planes[1].row_bytes]
+        high = high.view(torch.int16) if codec.bits == 6 else high
+    else:
+        high = data
+    scales = data[planes[-1].offset : planes[-1].offset + n * planes[-1].row_bytes].view(torch.float16)
+    return codec, base, high, scales, planes
+
+
+def _high_row_units(codec: GroupwiseCodec, planes: list) -> int:
+    """Row stride of the high plane in its load unit (q5: bytes, q6: 16-bit units); 0 without a high plane."""
+    return planes[1].row_bytes // (2 if codec.bits == 6 else 1) if len(planes) == 3 else 0
 
 
 def _block_k(k_pad: int, tokens: int) -> int:
@@ -185,11 +207,10 @@ def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int
     block_k = block_k or _block_k(k_pad, block_t)
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
-    high_row_bytes = planes[1].row_bytes if len(planes) == 3 else 0
     grid = (triton.cdiv(n, block_n), slots if experts is not None else 1)
     _gemv_kernel[grid](
         x, base, high, scales, out, experts if experts is not None else base, tokens, n, k_pad,
-        planes[0].row_bytes, high_row_bytes, gpr, x.stride(0), out.stride(0),
+        planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, x.stride(0), out.stride(0),
         BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
         GATHER=experts is not None, X_PER_SLOT=x_per_slot, IEEE=x.dtype == torch.float32,
         num_warps=num_warps or 4)
@@ -207,8 +228,7 @@ def dequantize(data: torch.Tensor, shape: tuple[int, int], fmt: str, dtype: torc
     gpr = codec.groups_per_row(k)
     result = torch.empty((n, k), dtype=dtype, device=data.device) if out is None else out[: n * k].view(n, k)
     block_n, block_k = 16, 128
-    high_row_bytes = planes[1].row_bytes if len(planes) == 3 else 0
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        base, high, scales, result, n, k, planes[0].row_bytes, high_row_bytes, gpr,
+        base, high, scales, result, n, k, planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr,
         BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k)
     return result

@@ -1,0 +1,235 @@
+"""The paged-KV decode kernels against their torch oracles, under the Triton interpreter on the CPU
+(tests/conftest.py switches it on; fp32 activations there); real shapes on CUDA are in
+tests/test_paged_attention_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ninfer.kernels.attention import causal_attention
+from ninfer.kernels.norm import rms_norm
+from ninfer.kernels.paged_attention import (
+    decode_split_plan,
+    dequantize_kv,
+    paged_attention_decode,
+    paged_attention_reference,
+    qk_norm_rope,
+    quantize_kv_reference,
+    write_kv,
+    write_kv_reference,
+)
+from ninfer.kernels.rope import apply_rope, rope_cos_sin
+
+DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")  # tests/conftest.py decides
+KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+ROPE_TOLERANCE = 1e-5  # fp32 both sides; cos/sin of the reduced angle differ from torch's by ~1e-7
+DECODE_TOLERANCE = 1e-5  # fp32 both sides; only the summation order and exp2 vs exp differ
+INT8_HALF_STEP_SLACK = 1 + 1e-5  # |x − x̂| ≤ scale/2, up to the rounding of the fp32 division x / scale
+E4M3_RELATIVE = 2.0**-4  # half an ulp of a 3-bit mantissa, relative to |x / scale|
+E4M3_SUBNORMAL_HALF_STEP = 2.0**-10  # below 2^-6 the codes are steps of 2^-9 (times the scale)
+
+
+def inv_freq_of(rotary_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+@pytest.mark.parametrize(("head_dim", "rotary_dim", "theta"), [(64, 16, 10_000_000.0), (128, 128, 10_000.0)])
+def test_qk_norm_rope_equals_norm_then_rope(head_dim, rotary_dim, theta):
+    heads, kv_heads, eps = 4, 2, 1e-6
+    generator = torch.Generator().manual_seed(head_dim)
+    rows = (heads + kv_heads) * head_dim
+    projection = torch.randn(4, rows + 40, generator=generator) * 3  # query_key is a strided row view of it
+    query_key = projection[:, :rows]
+    q_norm, k_norm = torch.randn(head_dim, generator=generator) * 0.1, torch.randn(head_dim, generator=generator)
+    positions = torch.tensor([0, 17, 300, 4095])
+    q, k = qk_norm_rope(query_key.to(DEVICE), q_norm.to(DEVICE), k_norm.to(DEVICE), positions.to(DEVICE), heads,
+                        kv_heads, head_dim, rotary_dim, inv_freq_of(rotary_dim, theta).to(DEVICE), eps)
+    cos, sin = rope_cos_sin(positions, rotary_dim, theta)
+    expected_q = apply_rope(rms_norm(query_key[:, : heads * head_dim].reshape(4, heads, head_dim), q_norm, eps),
+                            cos, sin)
+    expected_k = apply_rope(rms_norm(query_key[:, heads * head_dim :].reshape(4, kv_heads, head_dim), k_norm, eps),
+                            cos, sin)
+    assert q.shape == (4, heads, head_dim) and k.shape == (4, kv_heads, head_dim)
+    for name, got, expected in (("q", q, expected_q), ("k", k, expected_k)):
+        error = float((got.cpu() - expected).abs().max() / expected.abs().max())
+        assert error < ROPE_TOLERANCE, f"{name}: relative error {error:.2e}"
+
+
+def scattered_table(batch: int, max_pages: int, num_pages: int, generator: torch.Generator) -> torch.Tensor:
+    """Distinct, shuffled page ids for every slot of the table."""
+    return torch.randperm(num_pages, generator=generator)[: batch * max_pages].reshape(batch, max_pages).int()
+
+
+def random_pool(kv_dtype: torch.dtype, num_pages: int, page: int, kv_heads: int, head_dim: int,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x = torch.randn(num_pages, page, kv_heads, head_dim, generator=generator)
+    if kv_dtype not in (torch.int8, torch.float8_e4m3fn):
+        return x.to(kv_dtype), None
+    return quantize_kv_reference(x, kv_dtype)
+
+
+def test_quantize_reference_matches_the_stated_rounding():
+    # one group with scale exactly 1: int8 ties round to even; e4m3 ties (normal and subnormal) round to even
+    int8_group = torch.zeros(64)
+    int8_group[:6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5, 100.5])
+    codes, scales = quantize_kv_reference(int8_group, torch.int8)
+    assert scales.tolist() == [1.0]
+    assert codes[:6].tolist() == [127, 0, 2, 2, -2, 100]
+    fp8_group = torch.zeros(64)
+    fp8_group[:6] = torch.tensor([448.0, 17.0, 19.0, -17.0, 2.0**-10, 3 * 2.0**-10])
+    codes, scales = quantize_kv_reference(fp8_group, torch.float8_e4m3fn)
+    assert scales.tolist() == [1.0]
+    assert codes[:6].float().tolist() == [448.0, 16.0, 20.0, -16.0, 0.0, 2.0**-8]
+    codes, scales = quantize_kv_reference(torch.zeros(2, 128), torch.int8)
+    assert scales.abs().sum() == 0 and codes.abs().sum() == 0
+
+
+def new_keys(batch: int, kv_heads: int, head_dim: int, generator: torch.Generator) -> torch.Tensor:
+    """Values over ~5 decades (e4m3 subnormals, int8 zeros), an all-zero group and exact rounding ties."""
+    x = torch.randn(batch, kv_heads, head_dim, generator=generator)
+    x = x * torch.exp(torch.empty_like(x).uniform_(-12.0, 0.0, generator=generator))
+    x[1, 1, 64:128] = 0.0
+    x[0, 0, :64] = 0.0
+    x[0, 0, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5, 100.5])  # int8 scale 1: ties
+    x[0, 1, :64] = 0.0
+    x[0, 1, :6] = torch.tensor([448.0, 17.0, 19.0, 2.0**-10, 3 * 2.0**-10, -0.0])  # fp8 scale 1: ties, -0
+    return x
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+def test_write_kv_stores_what_the_reference_stores_and_nothing_else(kv_dtype):
+    dtype = KV_DTYPES[kv_dtype]
+    batch, heads, kv_heads, head_dim, page, num_pages, max_pages = 3, 4, 2, 128, 16, 12, 3
+    generator = torch.Generator().manual_seed(len(kv_dtype))
+    key_pages, key_scales = random_pool(dtype, num_pages, page, kv_heads, head_dim, generator)
+    value_pages, value_scales = random_pool(dtype, num_pages, page, kv_heads, head_dim, generator)
+    table = scattered_table(batch, max_pages, num_pages, generator)
+    positions = torch.tensor([0, 17, 39])
+    activation = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # bf16 pages: stored bit for bit
+    k = new_keys(batch, kv_heads, head_dim, generator).to(activation)
+    gate_value = torch.randn(batch, (heads + kv_heads) * head_dim, generator=generator).to(activation)
+    v = gate_value[:, heads * head_dim :].reshape(batch, kv_heads, head_dim)  # a strided view, as in the model
+    assert not v.is_contiguous()
+    before = [t.clone() for t in (key_pages, value_pages, key_scales, value_scales) if t is not None]
+    expected = [t.clone() for t in before]
+    write_kv_reference(k, v, *expected[:2], *(expected[2:] or [None, None]), table, positions)
+    on_device = [t.to(DEVICE) for t in before]
+    write_kv(k.to(DEVICE), v.to(DEVICE), *on_device[:2], *(on_device[2:] or [None, None]), table.to(DEVICE),
+             positions.to(DEVICE))
+    for got, want, old in zip(on_device, expected, before, strict=True):
+        bits = torch.uint8 if got.dtype == torch.float8_e4m3fn else got.dtype
+        assert torch.equal(got.cpu().view(bits), want.view(bits)), "kernel and reference stored different bits"
+        changed = (got.cpu().view(bits) != old.view(bits)).flatten(2).any(-1)  # [P, PAGE] slots touched
+        touched = torch.zeros_like(changed)
+        touched[table[torch.arange(batch), positions // page].long(), positions % page] = True
+        assert not (changed & ~touched).any(), "a slot other than the written ones changed"
+
+    if key_scales is None:
+        return
+    pages, rows = table[torch.arange(batch), positions // page].long(), positions % page
+    for x, pool, scales in ((k, on_device[0], on_device[2]), (v, on_device[1], on_device[3])):
+        slot_scales = scales.cpu()[pages, rows]
+        x_hat = dequantize_kv(pool.cpu()[pages, rows], slot_scales, torch.float32)
+        error = (x_hat - x).abs()
+        scale = slot_scales.float().repeat_interleave(64, dim=-1)
+        if dtype == torch.int8:
+            bound = scale / 2 * INT8_HALF_STEP_SLACK
+        else:
+            bound = E4M3_RELATIVE * x.abs() + E4M3_SUBNORMAL_HALF_STEP * scale
+        assert (error <= bound).all(), f"{kv_dtype} round trip error {float((error - bound).max()):.2e} over bound"
+    assert float(on_device[2].cpu()[pages[1], rows[1], 1, 1]) == 0.0, "an all-zero group has scale 0"
+
+
+def paged_cache(dense: torch.Tensor, lengths: list[int], kv_dtype: torch.dtype, table: torch.Tensor, num_pages: int,
+                page: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first lengths[b] positions of dense `[B, S, kvh, hd]` scattered into pages by `table`; every other slot
+    poisoned (NaN, or NaN scales), so that reading a slot past a length shows up in the output."""
+    _, _, kv_heads, head_dim = dense.shape
+    pool = torch.full((num_pages, page, kv_heads, head_dim), float("nan"))
+    scales = None
+    if kv_dtype in (torch.int8, torch.float8_e4m3fn):
+        pool, scales = quantize_kv_reference(pool.nan_to_num(0.0), kv_dtype)
+        scales.fill_(float("nan"))
+    else:
+        pool = pool.to(kv_dtype)
+    for b, length in enumerate(lengths):
+        positions = torch.arange(length)
+        pages, rows = table[b, positions // page].long(), positions % page
+        if scales is None:
+            pool[pages, rows] = dense[b, :length].to(kv_dtype)
+        else:
+            pool[pages, rows], scales[pages, rows] = quantize_kv_reference(dense[b, :length], kv_dtype)
+    return pool, scales
+
+
+DECODE_CASES = {  # name: (heads, kv_heads, head_dim, page, lengths, max_pages, max_length)
+    "gqa2 page16 two splits": (4, 2, 64, 16, [1, 17, 40], 4, None),
+    "gqa6 page64 three splits": (6, 1, 128, 64, [5, 130], 3, None),
+    "batch8 one split": (4, 2, 64, 16, [1, 2, 15, 16, 17, 33, 48, 64], 4, None),
+    "max_length below the table": (8, 2, 64, 16, [48, 7, 31], 6, 48),
+}
+
+
+def test_the_decode_cases_cover_one_and_several_splits():
+    splits = {decode_split_plan(len(lengths), kvh, max_length or max_pages * page, DEVICE)[0]
+              for _, kvh, _, page, lengths, max_pages, max_length in DECODE_CASES.values()}
+    assert 1 in splits and max(splits) >= 3, splits
+
+
+def decode_inputs(case: str, kv_dtype: torch.dtype, seed: int):
+    heads, kv_heads, head_dim, page, lengths, max_pages, _ = DECODE_CASES[case]
+    generator = torch.Generator().manual_seed(seed)
+    batch, num_pages = len(lengths), len(lengths) * max_pages + 3
+    table = scattered_table(batch, max_pages, num_pages, generator)
+    table[0, -1] = table[-1, 0]  # a slot past every length may name any page, even one in use
+    keys = torch.randn(batch, max(lengths), kv_heads, head_dim, generator=generator)
+    values = torch.randn(batch, max(lengths), kv_heads, head_dim, generator=generator)
+    q = torch.randn(batch, heads, head_dim, generator=generator)
+    key_pages, key_scales = paged_cache(keys, lengths, kv_dtype, table, num_pages, page)
+    value_pages, value_scales = paged_cache(values, lengths, kv_dtype, table, num_pages, page)
+    return q, keys, values, (key_pages, value_pages, key_scales, value_scales), table, torch.tensor(lengths).int()
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_equals_the_reference(case, kv_dtype):
+    q, _, _, cache, table, lengths = decode_inputs(case, KV_DTYPES[kv_dtype], seed=len(case))
+    max_length = DECODE_CASES[case][-1]
+    scale = q.shape[-1] ** -0.5
+    expected = paged_attention_reference(q, *cache, table, lengths, scale, max_length)
+    assert expected.isfinite().all()
+    device_cache = [None if t is None else t.to(DEVICE) for t in cache]
+    got = paged_attention_decode(q.to(DEVICE), *device_cache, table.to(DEVICE), lengths.to(DEVICE), scale,
+                                 max_length)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    error = float((got.cpu() - expected).abs().max() / expected.abs().max())
+    assert error < DECODE_TOLERANCE, f"{case} {kv_dtype}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_equals_causal_attention_on_a_dense_cache(kv_dtype):
+    q, keys, values, cache, table, lengths = decode_inputs("gqa2 page16 two splits", kv_dtype, seed=7)
+    scale = 0.3
+    got = paged_attention_decode(q.to(DEVICE), *[None if t is None else t.to(DEVICE) for t in cache],
+                                 table.to(DEVICE), lengths.to(DEVICE), scale).cpu()
+    for b, length in enumerate(lengths.tolist()):
+        k, v = keys[b, :length].to(kv_dtype).float(), values[b, :length].to(kv_dtype).float()
+        expected = causal_attention(q[b : b + 1], k, v, length - 1, scale)[0]
+        error = float((got[b] - expected).abs().max() / expected.abs().max())
+        assert error < DECODE_TOLERANCE, f"sequence {b} (length {length}): relative error {error:.2e}"
+
+
+def test_decode_refuses_what_it_does_not_do():
+    pages = torch.zeros(4, 16, 2, 64, dtype=torch.int8)
+    table, lengths, q = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1, 4, 64)
+    with pytest.raises(ValueError, match="need key_scales"):
+        paged_attention_decode(q, pages, pages, None, None, table, lengths, 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_attention_decode(q[..., :48], pages[..., :48], pages[..., :48], None, None, table, lengths, 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_attention_decode(torch.zeros(1, 3, 64), pages.float(), pages.float(), None, None, table, lengths, 1.0)
