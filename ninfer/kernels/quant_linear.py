@@ -134,7 +134,6 @@ if triton is not None:
     def _dequantize_kernel(base_ptr, high_ptr, scale_ptr, out_ptr, N, K, row_words, high_row_units, gpr,
                            BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         LPW: tl.constexpr = 4 if BITS == 8 else 8
-        WORDS: tl.constexpr = BLOCK_K // LPW
         NG: tl.constexpr = BLOCK_K // GROUP
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
