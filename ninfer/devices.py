@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ninfer.errors import NinferError
@@ -27,3 +29,10 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU), before reading a host clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new allocations: the CUDA allocator's view of the device, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -68,6 +68,8 @@ def test_dequantize_equals_the_codec(fmt):
     else:  # the interpreter truncates fp32 -> bf16: within one bf16 ulp of the exact value
         assert float(((got - expected).abs() / expected.abs().clamp_min(1e-30)).max()) < BF16_ULP
     assert scratch[n * k :].eq(0).all(), "wrote past the matrix"
+    rows = torch.tensor([7, 0, 19, 7], dtype=torch.int32, device=DEVICE)
+    assert torch.equal(dequantize(data, (n, k), fmt, dtype=torch.float32, rows=rows), expected[rows.long()])
 
 
 def test_gemv_refuses_what_it_does_not_do():

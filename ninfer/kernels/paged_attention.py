@@ -350,7 +350,7 @@ if triton is not None:
     def _paged_decode_kernel(q_ptr, key_pages, value_pages, key_scales, value_scales, table_ptr, lengths_ptr,
                              out_ptr, partial_out, partial_max, partial_sum, stride_qb, stride_qh, stride_ob,
                              stride_oh, stride_table, stride_page, stride_row, stride_head, scale_stride_page,
-                             scale_stride_row, scale_stride_head, qk_scale, chunk, splits, heads,
+                             scale_stride_row, scale_stride_head, qk_scale, splits, heads,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              PAGE: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
                              IEEE: tl.constexpr):
@@ -358,6 +358,7 @@ if triton is not None:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(lengths_ptr + b)
+        chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_S) * BLOCK_S  # this sequence's positions per split
         first = split * chunk
         last = tl.minimum(first + chunk, length)
         rows = tl.arange(0, GROUP_PAD)
@@ -429,8 +430,9 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
 
     Shapes: q `[B, heads, hd]` (fp32/bf16/fp16, stride 1 on hd), heads a multiple of kvh; the cache as in the
     module docstring; block_table `[B, max_pages]` int32; lengths `[B]` int32 with 1 ≤ lengths[b] ≤ max_length
-    (a host bound, default max_pages · PAGE, that fixes the split plan — `decode_split_plan`; a length of 0 gives
-    zeros). Returns `[B, heads, hd]` in q's dtype. No host synchronisation; scratch sized from host ints only.
+    (a host bound, default max_pages · PAGE, that fixes the number of splits — `decode_split_plan`; each sequence
+    divides its own length among them on the device; a length of 0 gives zeros). Returns `[B, heads, hd]` in q's
+    dtype. No host synchronisation; scratch sized from host ints only.
     """
     if triton is None:
         raise RuntimeError("paged_attention_decode needs the triton package")
@@ -444,7 +446,7 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
         raise ValueError(f"paged_attention_decode: block_table {list(block_table.shape)} and lengths "
                          f"{list(lengths.shape)} must have B = {batch} rows")
     max_length = block_table.shape[1] * page if max_length is None else max_length
-    splits, chunk = decode_split_plan(batch, kv_heads, max_length, q.device)
+    splits, _ = decode_split_plan(batch, kv_heads, max_length, q.device)
     group = heads // kv_heads
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     partial_out = partial_max = partial_sum = out  # unused pointers without splits
@@ -458,7 +460,7 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
     _paged_decode_kernel[(batch, kv_heads, splits)](
         q, *pools, *scales, block_table, lengths, out, partial_out, partial_max, partial_sum,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), *key_pages.stride()[:3],
-        *scale_strides, scale * math.log2(math.e), chunk, splits, heads, GROUP=group,
+        *scale_strides, scale * math.log2(math.e), splits, heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page, BLOCK_S=BLOCK_POSITIONS,
         QUANT=mode, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4)
     if splits > 1:

@@ -21,6 +21,8 @@ Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ninfer.quant import codec_for
@@ -33,6 +35,8 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 MAX_GEMV_TOKENS = 16
+# the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quant_linear_reference(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str) -> torch.Tensor:
@@ -131,13 +135,16 @@ if triton is not None:
             tl.store(out, acc, mask=row_ok[:, None] & token_ok[None, :])
 
     @triton.jit
-    def _dequantize_kernel(base_ptr, high_ptr, scale_ptr, out_ptr, N, K, row_words, high_row_units, gpr,
-                           BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _dequantize_kernel(base_ptr, high_ptr, scale_ptr, out_ptr, index_ptr, N, K, row_words, high_row_units, gpr,
+                           BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GATHER: tl.constexpr):
         LPW: tl.constexpr = 4 if BITS == 8 else 8
         NG: tl.constexpr = BLOCK_K // GROUP
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows
         k0 = tl.program_id(1) * BLOCK_K
         safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        if GATHER:  # output row r is stored row index[r]
+            safe_rows = tl.load(index_ptr + safe_rows).to(tl.int64)
         words, high, scale = _load_tile(base_ptr, high_ptr, scale_ptr, safe_rows, k0, row_words, high_row_units, gpr,
                                         BITS, LPW, GROUP, BLOCK_K)
         # codes of lanes LPW·w + p for every p, interleaved back into lane order with joins
@@ -178,7 +185,8 @@ def _high_row_units(codec: GroupwiseCodec, planes: list) -> int:
 
 
 def _block_k(k_pad: int, tokens: int) -> int:
-    return 256 if tokens > 1 or k_pad % 512 else 512
+    """The widest K tile (lanes) that divides the padded K: 512 for one token, 256 when tl.dot meets x."""
+    return next(b for b in ((512, 256, 128) if tokens == 1 else (256, 128)) if k_pad % b == 0)
 
 
 def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str,
@@ -202,7 +210,7 @@ def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int
     slots = tokens if experts is None else experts.numel()
     out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=x.device)
     block_t = 1 if tokens == 1 or experts is not None else 16  # tl.dot needs at least 16 columns
-    block_n = block_n or (16 if block_t > 1 else 8)
+    block_n = block_n or (256 if INTERPRETED else 16 if block_t > 1 else 8)
     block_k = block_k or _block_k(k_pad, block_t)
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
@@ -217,17 +225,19 @@ def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int
 
 
 def dequantize(data: torch.Tensor, shape: tuple[int, int], fmt: str, dtype: torch.dtype = torch.bfloat16,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """W `[N, K]` in `dtype` (rounded once from fp32 scale × code), into `out` when given (a scratch buffer of at
-    least N·K elements, reused across matrices by the prefill route)."""
+    least N·K elements, reused across matrices by the prefill route). With `rows` (a device int tensor `[R]`),
+    only those rows, in that order: `[R, K]` (embedding lookups, one expert's block)."""
     if triton is None:
         raise RuntimeError("the Triton dequantizer needs the triton package")
     codec, base, high, scales, planes = _planes(data, shape, fmt)
-    n, k = shape
+    n, k = shape if rows is None else (rows.numel(), shape[1])
     gpr = codec.groups_per_row(k)
     result = torch.empty((n, k), dtype=dtype, device=data.device) if out is None else out[: n * k].view(n, k)
-    block_n, block_k = 16, 128
+    block_n, block_k = (256, 128) if INTERPRETED else (16, 128)
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        base, high, scales, result, n, k, planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr,
-        BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k)
+        base, high, scales, result, rows if rows is not None else base, n, k, planes[0].row_bytes // 4,
+        _high_row_units(codec, planes), gpr, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k,
+        GATHER=rows is not None)
     return result

@@ -1,0 +1,186 @@
+"""Per-sequence state of the GPU fast path: a paged KV pool for the attention layers, a slot pool for the Gated
+DeltaNet conv windows and recurrent states, and the memory plan that sizes both before anything is allocated.
+
+Layout (see ninfer/kernels/paged_attention.py for the page format):
+  * KV: per attention layer `key_pages`, `value_pages` `[P, PAGE, kvh, hd]` in the KV dtype (bf16 / int8 / fp8)
+    and, for int8/fp8, fp16 scales `[P, PAGE, kvh, hd / 64]`. Page 0 is scratch (padding rows of a batch write
+    there); a sequence owns the pages of its block-table row, allocated for its whole capacity at admission.
+  * GDN: `conv` `[L, S + 1, C, K-1]` bf16 and `recurrent` `[L, S + 1, Hv, Dk, Dv]` fp32 over the L GDN layers;
+    slot S is scratch.
+A `SlotState` is one sequence's handle; dropping the last reference returns its slot and pages.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ninfer.errors import NinferError
+from ninfer.model.config import FULL_ATTENTION, TextConfig
+
+KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+SCALE_GROUP = 64
+
+
+class MemoryPlanError(NinferError):
+    """The model, its cache and workspace do not fit in the device memory."""
+
+
+class CacheFullError(NinferError):
+    """No free sequence slot or not enough free KV pages for a new sequence."""
+
+
+def kv_bytes_per_token(config: TextConfig, kv_dtype: str) -> int:
+    """Bytes of K and V (and their scales) that one position costs over all attention layers."""
+    layers = sum(1 for t in config.layer_types if t == FULL_ATTENTION)
+    element = torch.empty((), dtype=KV_DTYPES[kv_dtype]).element_size()
+    per_head = config.head_dim * element + (config.head_dim // SCALE_GROUP * 2 if kv_dtype != "bf16" else 0)
+    return layers * 2 * config.kv_heads * per_head
+
+
+def state_bytes_per_slot(config: TextConfig) -> int:
+    """Bytes of one sequence's GDN conv window (bf16) and recurrent state (fp32) over all GDN layers."""
+    layers = sum(1 for t in config.layer_types if t != FULL_ATTENTION)
+    conv = config.conv_dim * (config.conv_kernel - 1) * 2
+    recurrent = config.v_heads * config.k_dim * config.v_dim * 4
+    return layers * (conv + recurrent)
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes of each part of the fast path on the device, decided at start-up."""
+
+    weights: int
+    kv: int
+    state: int
+    workspace: int
+    free: int
+    kv_tokens: int
+    slots: int
+    margin: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.state + self.workspace
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (f"weights {self.weights / gib:.2f} GiB + KV {self.kv / gib:.2f} GiB ({self.kv_tokens} tokens) + "
+                f"recurrent state {self.state / gib:.2f} GiB ({self.slots} slots) + workspace "
+                f"{self.workspace / gib:.2f} GiB = {self.total / gib:.2f} GiB of {self.free / gib:.2f} GiB free")
+
+
+def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int, max_context: int,
+                kv_capacity: int | None, kv_dtype: str, prefill_chunk: int, margin: float = 0.05) -> MemoryPlan:
+    """Size the KV pool: `kv_capacity` tokens when given, else (auto) what is left after the weights, the slots'
+    recurrent state and the workspace, minus a `margin` fraction of the free memory — capped at what `slots`
+    sequences of `max_context` can use. Raises MemoryPlanError when even one full-context sequence does not fit."""
+    state = (slots + 1) * state_bytes_per_slot(config)
+    per_token = kv_bytes_per_token(config, kv_dtype)
+    # workspace: the largest dequantized prefill matrix, prefill activations (a few [chunk, width] tensors) and the
+    # logits of a decode batch and of a prefill's last row
+    widths = (config.hidden, config.intermediate or 2 * config.expert_width * max(config.top_k, 1), config.conv_dim,
+              2 * config.heads * config.head_dim)
+    largest_matrix = max(config.vocab * config.hidden, 2 * config.intermediate * config.hidden,
+                         config.conv_dim * config.hidden)
+    workspace = largest_matrix * 2 + 8 * prefill_chunk * max(widths) * 4 + 2 * slots * config.vocab * 4
+    keep = int(free * margin)
+    room = free - keep - weight_bytes - state - workspace
+    ceiling = slots * max_context
+    tokens = min(ceiling, room // per_token) if kv_capacity is None else kv_capacity
+    plan = MemoryPlan(weight_bytes, tokens * per_token, state, workspace, free, tokens, slots, keep)
+    if tokens < max_context or plan.total > free - keep:
+        gib = 2**30
+        raise MemoryPlanError(
+            f"the model does not fit: {plan.describe()} (keeping {keep / gib:.2f} GiB back), and one sequence of "
+            f"{max_context} tokens needs {max_context * per_token / gib:.2f} GiB of KV; lower --max-context, "
+            "--max-concurrency or --kv-capacity, or choose --kv-dtype int8/fp8")
+    return plan
+
+
+@dataclass(eq=False)
+class SlotState:
+    """One sequence on the fast path: its state slot, its KV pages and how many positions it holds."""
+
+    slot: int
+    capacity: int
+    pages: list[int]
+    length: int = 0
+    cache: SequenceCache | None = field(default=None, repr=False)
+
+
+class SequenceCache:
+    """The device pools and their free lists (host side; the device never reads them)."""
+
+    def __init__(self, config: TextConfig, device: torch.device, *, slots: int, kv_tokens: int, max_context: int,
+                 kv_dtype: str, float_dtype: torch.dtype = torch.bfloat16, page: int = 64):
+        self.config = config
+        self.device = device
+        self.page = page
+        self.slots = slots
+        self.kv_dtype = kv_dtype
+        self.max_pages = math.ceil(max_context / page)
+        pages = math.ceil(kv_tokens / page) + 1  # + the scratch page 0
+        dtype = float_dtype if kv_dtype == "bf16" else KV_DTYPES[kv_dtype]  # "bf16": pages in the activation dtype
+        shape = (pages, page, config.kv_heads, config.head_dim)
+        self.attention_layers = [i for i, t in enumerate(config.layer_types) if t == FULL_ATTENTION]
+        self.gdn_layers = [i for i, t in enumerate(config.layer_types) if t != FULL_ATTENTION]
+        self.key_pages, self.value_pages, self.key_scales, self.value_scales = {}, {}, {}, {}
+        for layer in self.attention_layers:
+            self.key_pages[layer] = torch.zeros(shape, dtype=dtype, device=device)
+            self.value_pages[layer] = torch.zeros(shape, dtype=dtype, device=device)
+            if kv_dtype != "bf16":
+                scale_shape = (*shape[:3], config.head_dim // SCALE_GROUP)
+                self.key_scales[layer] = torch.zeros(scale_shape, dtype=torch.float16, device=device)
+                self.value_scales[layer] = torch.zeros(scale_shape, dtype=torch.float16, device=device)
+        gdn = len(self.gdn_layers)
+        self.gdn_index = {layer: i for i, layer in enumerate(self.gdn_layers)}
+        self.conv = torch.zeros((gdn, slots + 1, config.conv_dim, config.conv_kernel - 1), dtype=float_dtype,
+                                device=device)
+        self.recurrent = torch.zeros((gdn, slots + 1, config.v_heads, config.k_dim, config.v_dim),
+                                     dtype=torch.float32, device=device)
+        self.block_tables = torch.zeros((slots + 1, self.max_pages), dtype=torch.int32, device=device)
+        self.free_slots = list(range(slots - 1, -1, -1))
+        self.free_pages = list(range(pages - 1, 0, -1))
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.slots
+
+    def allocate(self, capacity: int) -> SlotState:
+        """A fresh sequence of up to `capacity` positions (zeroed GDN state, its pages in its block-table row)."""
+        needed = math.ceil(capacity / self.page)
+        if needed > self.max_pages:
+            raise CacheFullError(f"a sequence of {capacity} tokens exceeds the context of {self.max_pages * self.page}")
+        if not self.free_slots or needed > len(self.free_pages):
+            raise CacheFullError(f"no room for a sequence of {capacity} tokens: {len(self.free_slots)} free slots, "
+                                 f"{len(self.free_pages) * self.page} free KV positions")
+        slot = self.free_slots.pop()
+        pages = [self.free_pages.pop() for _ in range(needed)]
+        row = torch.zeros(self.max_pages, dtype=torch.int32)
+        row[:needed] = torch.tensor(pages, dtype=torch.int32)
+        self.block_tables[slot].copy_(row)
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
+        state = SlotState(slot, capacity, pages, cache=self)
+        weakref.finalize(state, self._release, slot, pages)
+        return state
+
+    def _release(self, slot: int, pages: list[int]) -> None:
+        self.free_slots.append(slot)
+        self.free_pages.extend(pages)
+
+    def dense_kv(self, layer: int, state: SlotState, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Keys and values of positions [0, length) of a sequence as dense `[length, kvh, hd]` in `dtype`."""
+        pages = torch.tensor(state.pages[: math.ceil(length / self.page)], device=self.device)
+        result = []
+        for pool, scales in ((self.key_pages, self.key_scales), (self.value_pages, self.value_scales)):
+            rows = pool[layer][pages].flatten(0, 1)[:length]
+            if scales:
+                scale = scales[layer][pages].flatten(0, 1)[:length].float()
+                rows = (rows.float().unflatten(-1, (-1, SCALE_GROUP)) * scale[..., None]).flatten(-2)
+            result.append(rows.to(dtype))
+        return tuple(result)

@@ -1,0 +1,90 @@
+"""A weight matrix of the GPU fast path, kept in its stored format on the device, and y = x · Wᵀ over it.
+
+Routes (chosen by the format and the number of tokens T):
+  * groupwise (q4/q5/q6/q8), T ≤ 16: the Triton GEMV, which reads the packed planes once (decode, verify);
+  * groupwise, T > 16: dequantize into a shared bf16 scratch buffer, then cuBLAS (prefill: the matmul dominates);
+  * bf16: cuBLAS directly. fp32 and fp8 rows are converted / decoded to the activation dtype at load (no packed
+    kernel for fp8 yet: those artifacts cost bf16 memory and bandwidth on this path).
+The output has x's dtype unless asked otherwise; MoE experts go through `gather`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, dequantize, quant_linear_gemv
+from ninfer.quant import codec_for
+from ninfer.quant.groupwise import GroupwiseCodec
+
+
+class Scratch:
+    """One growable buffer in the activation dtype shared by every prefill dequantization (one matrix is live at a
+    time); the activation dtype is also what non-packed weights are kept in."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device = device
+        self.dtype = dtype
+        self.buffer = torch.empty(0, dtype=dtype, device=device)
+
+    def get(self, elements: int) -> torch.Tensor:
+        if self.buffer.numel() < elements:
+            self.buffer = torch.empty(elements, dtype=self.dtype, device=self.device)
+        return self.buffer
+
+
+class PackedLinear:
+    """W `[N, K]` (`shape`) stored as `data` in `fmt` on the device."""
+
+    def __init__(self, data: torch.Tensor, shape: tuple[int, int], fmt: str, scratch: Scratch):
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.format = fmt
+        self.scratch = scratch
+        self.packed = isinstance(codec_for(fmt), GroupwiseCodec)
+        if self.packed:
+            self.data = data
+            self.weight = None
+        else:
+            self.data = None
+            self.weight = codec_for(fmt).decode(data, self.shape).to(scratch.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        tensor = self.data if self.packed else self.weight
+        return tensor.numel() * tensor.element_size()
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x `[T, K]` → `[T, N]` in `out_dtype` (default x's dtype)."""
+        out_dtype = out_dtype or x.dtype
+        if not self.packed:
+            return F.linear(x.to(self.weight.dtype), self.weight).to(out_dtype)
+        if x.shape[0] <= MAX_GEMV_TOKENS:
+            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype)
+        n, k = self.shape
+        weight = dequantize(self.data, self.shape, self.format, self.scratch.dtype, out=self.scratch.get(n * k))
+        return F.linear(x.to(weight.dtype), weight).to(out_dtype)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of W in the activation dtype `[R, K]` (an embedding lookup)."""
+        if not self.packed:
+            return self.weight[index]
+        return dequantize(self.data, self.shape, self.format, self.scratch.dtype, rows=index)
+
+    def gather(self, x: torch.Tensor, experts: torch.Tensor, expert_rows: int, x_per_slot: int) -> torch.Tensor:
+        """W stacks experts of `expert_rows` rows: row s of the result is x[s // x_per_slot] · W_{experts[s]}ᵀ."""
+        if not self.packed:
+            stacked = self.weight.view(-1, expert_rows, self.shape[1])[experts]  # [S, rows, K]
+            inputs = x.repeat_interleave(x_per_slot, dim=0) if x_per_slot > 1 else x
+            return torch.bmm(stacked, inputs.to(stacked.dtype)[:, :, None])[:, :, 0].to(x.dtype)
+        return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=x.dtype, experts=experts,
+                                 expert_rows=expert_rows, x_per_slot=x_per_slot)
+
+    def block(self, x: torch.Tensor, first_row: int, rows: int) -> torch.Tensor:
+        """x · W[first_row : first_row + rows]ᵀ for many tokens (one expert's block in a prefill)."""
+        if not self.packed:
+            return F.linear(x, self.weight[first_row : first_row + rows])
+        index = torch.arange(first_row, first_row + rows, device=x.device, dtype=torch.int32)
+        k = self.shape[1]
+        weight = dequantize(self.data, self.shape, self.format, self.scratch.dtype, out=self.scratch.get(rows * k),
+                            rows=index)
+        return F.linear(x.to(weight.dtype), weight).to(x.dtype)

@@ -1,0 +1,372 @@
+"""The Qwen3.5 text model on the GPU fast path: packed weights, paged KV, slot-pooled GDN state, CUDA-graph decode.
+
+Same math and the same interface as the reference `Qwen35Model` (`new_state`, `forward`, `decode_batch`,
+`snapshot`, `restore`), which stays the oracle; the GPU tests compare the two. Per step:
+  * decode (`decode_batch`, B sequences, one token each): every matrix through the Triton GEMV, the fused q/k
+    norm + rotary, the paged-KV write and split-K attention, the GDN conv-update and gated-delta-step kernels,
+    MoE experts through the gathering GEMV; captured once per batch-size bucket as a CUDA graph (no host sync, no
+    allocation inside a step) and replayed;
+  * prefill (`forward` with T > 1): in chunks of `prefill_chunk` tokens carrying KV, conv and recurrent state;
+    matrices dequantized to a scratch buffer and multiplied by cuBLAS, attention by SDPA over the sequence's
+    pages, the delta rule by flash-linear-attention's chunked kernel when installed (else the torch reference);
+    only the last position goes through the head.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ninfer.artifact.reader import Artifact
+from ninfer.devices import free_memory
+from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
+from ninfer.fast.linear import PackedLinear, Scratch
+from ninfer.kernels.conv1d import causal_conv1d
+from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
+from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
+from ninfer.kernels.moe import route_top_k
+from ninfer.kernels.norm import rms_norm, rms_norm_gated
+from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
+from ninfer.model.config import FULL_ATTENTION, TextConfig
+from ninfer.quant import codec_for
+from ninfer.quant.groupwise import GroupwiseCodec
+
+try:  # flash-linear-attention: the chunked delta rule for long prefills (optional GPU dependency)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+except ImportError:  # pragma: no cover - depends on the environment
+    chunk_gated_delta_rule = None
+
+FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_GATHERED_PAIRS = 128  # a prefill chunk of up to this many (token, expert) pairs takes the decode MoE route
+
+
+def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
+    """Device bytes of an object on this path: packed formats as stored, the rest as bf16 matrices / as is."""
+    if isinstance(codec_for(fmt), GroupwiseCodec) or len(shape) != 2:
+        return stored
+    return math.prod(shape) * 2
+
+
+class FastQwen35:
+    """Qwen3.5 text model on CUDA (see the module docstring). Build with `from_artifact`."""
+
+    def __init__(self, config: TextConfig, linears: dict[str, PackedLinear], vectors: dict[str, torch.Tensor],
+                 cache: SequenceCache, plan: MemoryPlan, *, dtype: torch.dtype, prefill_chunk: int, graphs: bool):
+        self.config = config
+        self.linears = linears
+        self.vectors = vectors
+        self.cache = cache
+        self.plan = plan
+        self.device = cache.device
+        self.dtype = dtype
+        self.prefill_chunk = prefill_chunk
+        self.head = linears["output_head"] if "output_head" in linears else linears["token_embedding"]
+        c = config
+        self.inv_freq = (1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float)
+                                                 / c.rotary_dim))).to(self.device)
+        self.max_batch = cache.slots
+        self.buckets = [b for b in DEFAULT_BUCKETS if b < self.max_batch] + [self.max_batch]
+        self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.use_graphs = graphs and self.device.type == "cuda"
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.plan.kv_tokens
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cuda", *, max_sequences: int = 8,
+                      max_context: int = 32768, kv_capacity: int | None = None, kv_dtype: str = "bf16",
+                      prefill_chunk: int = 4096, dtype: torch.dtype = torch.bfloat16, graphs: bool = True,
+                      progress: bool = False) -> FastQwen35:
+        """Plan the memory (refusing what does not fit before loading anything), then load the weights and
+        allocate the pools. `dtype` is the activation dtype (bf16; fp32 serves the CPU tests under the Triton
+        interpreter) and the dtype of "bf16" KV pages."""
+        config = TextConfig.from_dict(artifact.components["text"]["config"])
+        device = torch.device(device)
+        objects = [o for o in artifact.objects if o.kind == "tensor" and o.component == "text"]
+        weight_bytes = sum(_device_bytes(o.format, o.shape, o.bytes) for o in objects)
+        plan = plan_memory(config, weight_bytes, free_memory(device), slots=max_sequences, max_context=max_context,
+                           kv_capacity=kv_capacity, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
+        scratch = Scratch(device, dtype)
+        linears, vectors = {}, {}
+        for obj in tqdm(objects, desc="loading weights", unit="object", disable=not progress):
+            name = obj.id.removeprefix("text/")
+            if len(obj.shape) == 2 and not name.endswith("gdn/convolution"):
+                linears[name] = PackedLinear(artifact.raw(obj.id).to(device), obj.shape, obj.format, scratch)
+            else:
+                tensor = artifact.tensor(obj.id, device)
+                vectors[name] = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)
+        cache = SequenceCache(config, device, slots=max_sequences, kv_tokens=plan.kv_tokens,
+                              max_context=max_context, kv_dtype=kv_dtype, float_dtype=dtype)
+        return cls(config, linears, vectors, cache, plan, dtype=dtype, prefill_chunk=prefill_chunk, graphs=graphs)
+
+    # -- sequences -------------------------------------------------------------------------------------------
+
+    def new_state(self, capacity: int) -> SlotState:
+        return self.cache.allocate(capacity)
+
+    def snapshot(self, state: SlotState) -> dict[tuple[str, int], torch.Tensor]:
+        """Copies of a sequence's state: its used KV pages and its GDN slot (prefix reuse)."""
+        used = state.pages[: math.ceil(state.length / self.cache.page)]
+        index = torch.tensor(used, device=self.device)
+        tensors: dict[tuple[str, int], torch.Tensor] = {}
+        for kind in ("key_pages", "value_pages", "key_scales", "value_scales"):
+            for layer, pool in getattr(self.cache, kind).items():
+                tensors[(kind, layer)] = pool[index].clone()
+        tensors[("conv", 0)] = self.cache.conv[:, state.slot].clone()
+        tensors[("recurrent", 0)] = self.cache.recurrent[:, state.slot].clone()
+        return tensors
+
+    def restore(self, state: SlotState, length: int, tensors: dict[tuple[str, int], torch.Tensor]) -> None:
+        for (kind, layer), tensor in tensors.items():
+            if kind == "conv":
+                self.cache.conv[:, state.slot] = tensor.to(self.device)
+            elif kind == "recurrent":
+                self.cache.recurrent[:, state.slot] = tensor.to(self.device)
+            else:
+                index = torch.tensor(state.pages[: tensor.shape[0]], device=self.device)
+                getattr(self.cache, kind)[layer][index] = tensor.to(self.device)
+        state.length = length
+
+    # -- the forward pass ------------------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, state: SlotState, all_logits: bool = False) -> torch.Tensor:
+        """Logits (fp32) of the last new position `[V]` (all new positions `[T, V]` with `all_logits`)."""
+        ids = ids.to(self.device)
+        if state.length + ids.numel() > state.capacity:
+            raise ValueError(f"sequence of {state.length + ids.numel()} tokens exceeds the state's capacity of "
+                             f"{state.capacity}")
+        if ids.numel() == 1 and not all_logits:
+            return self.decode_batch([state], ids)[0]
+        outputs = [self._prefill_chunk(chunk, state, all_logits) for chunk in ids.split(self.prefill_chunk)]
+        return torch.cat(outputs) if all_logits else outputs[-1]
+
+    def decode_batch(self, states: Sequence[SlotState], ids: torch.Tensor) -> torch.Tensor:
+        """One token for each of B sequences: logits `[B, V]` fp32 (a copy: the graph's output is reused)."""
+        batch = len(states)
+        if batch > self.max_batch:
+            raise ValueError(f"a decode batch of {batch} exceeds the {self.max_batch} sequence slots")
+        for state in states:
+            if state.length + 1 > state.capacity:
+                raise ValueError(f"sequence of {state.length + 1} tokens exceeds its capacity of {state.capacity}")
+        bucket = next(b for b in self.buckets if b >= batch)
+        host = torch.zeros((3, bucket), dtype=torch.int32)
+        host[0, :batch] = ids.view(-1).cpu().to(torch.int32)
+        host[1, :] = self.cache.scratch_slot
+        host[1, :batch] = torch.tensor([s.slot for s in states], dtype=torch.int32)
+        host[2, :] = 1
+        host[2, :batch] = torch.tensor([s.length + 1 for s in states], dtype=torch.int32)
+        self.inputs[:, :bucket].copy_(host)
+        if self.use_graphs:
+            graph, logits = self._graph(bucket)
+            graph.replay()
+        else:
+            logits = self._decode(bucket)
+        for state in states:
+            state.length += 1
+        return logits[:batch].clone()
+
+    def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if bucket not in self.graphs:
+            saved = self.inputs.clone()  # capture runs the step on padding rows only, then restores the inputs
+            self.inputs[0].zero_()
+            self.inputs[1].fill_(self.cache.scratch_slot)
+            self.inputs[2].fill_(1)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._decode(bucket)  # compiles the kernels outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._decode(bucket)
+            self.graphs[bucket] = (graph, logits)
+            self.inputs.copy_(saved)
+        return self.graphs[bucket]
+
+    def _decode(self, batch: int) -> torch.Tensor:
+        """The decode step over the first `batch` rows of `self.inputs` (device tensors only: graph-capturable)."""
+        c = self.config
+        ids, slots, lengths = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
+        positions = lengths - 1
+        tables = self.cache.block_tables.index_select(0, slots)
+        x = self.linears["token_embedding"].rows(ids)
+        for i, kind in enumerate(c.layer_types):
+            prefix = f"layers/{i}/"
+            h = rms_norm(x, self.vectors[prefix + "input_norm"], c.rms_eps)
+            if kind == FULL_ATTENTION:
+                h = self._attention_decode(h, i, positions, lengths, tables)
+            else:
+                h = self._gdn_decode(h, i, slots)
+            x = x + h
+            h = rms_norm(x, self.vectors[prefix + "post_attention_norm"], c.rms_eps)
+            x = x + self._mlp(h, prefix, decode=True)
+        x = rms_norm(x, self.vectors["final_norm"], c.rms_eps)
+        return self.head(x, out_dtype=torch.float32)
+
+    def _attention_decode(self, h: torch.Tensor, layer: int, positions: torch.Tensor, lengths: torch.Tensor,
+                          tables: torch.Tensor) -> torch.Tensor:
+        c, cache = self.config, self.cache
+        prefix = f"layers/{layer}/attention/"
+        batch, q_rows = h.shape[0], c.heads * c.head_dim
+        query_key = self.linears[prefix + "query_key"](h)
+        gate_value = self.linears[prefix + "gate_value"](h)
+        q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
+                            positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
+        v = gate_value[:, q_rows:].view(batch, c.kv_heads, c.head_dim)
+        pools = (cache.key_pages[layer], cache.value_pages[layer], cache.key_scales.get(layer),
+                 cache.value_scales.get(layer))
+        write_kv(k, v, *pools, tables, positions)
+        o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
+                                   max_length=cache.max_pages * cache.page)
+        o = o.reshape(batch, q_rows) * torch.sigmoid(gate_value[:, :q_rows])
+        return self.linears[prefix + "output"](o)
+
+    def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        prefix = f"layers/{layer}/gdn/"
+        value_rows = c.v_heads * c.v_dim
+        query_key = self.linears[prefix + "query_key"](h)
+        value_z = self.linears[prefix + "value_z"](h)
+        a_b = self.linears[prefix + "a_b_projection"](h)
+        index = self.cache.gdn_index[layer]
+        mixed = conv1d_update(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
+                              self.vectors[prefix + "convolution"], self.cache.conv[index], slots)
+        o = gated_delta_decode(mixed, value_z[:, value_rows:], a_b, self.vectors[prefix + "a_log"],
+                               self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
+                               self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps)
+        return self.linears[prefix + "output"](o)
+
+    def _mlp(self, h: torch.Tensor, prefix: str, decode: bool) -> torch.Tensor:
+        """SwiGLU MLP or sparse MoE; `decode` sends every (token, expert) pair through the gathering GEMV (no host
+        sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
+        c = self.config
+        if not c.moe:
+            gate_up = self.linears[prefix + "mlp/gate_up"](h)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.linears[prefix + "mlp/down"](F.silu(gate) * up)
+        experts = c.experts
+        logits = self.linears[prefix + "moe/router_shared_gate"](h)
+        weights, ids = route_top_k(logits[:, :experts], c.top_k)
+        weights = weights.to(h.dtype)
+        gate_up = self.linears[prefix + "moe/shared_gate_up"](h)
+        gate, up = gate_up.chunk(2, dim=-1)
+        shared = torch.sigmoid(logits[:, experts:]) * self.linears[prefix + "moe/shared_down"](F.silu(gate) * up)
+        routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
+        routed_down = self.linears[prefix + "moe/routed_down"]
+        width = c.expert_width
+        if decode:
+            flat = ids.reshape(-1).to(torch.int32)
+            gate, up = routed_gate_up.gather(h, flat, 2 * width, c.top_k).chunk(2, dim=-1)
+            out = routed_down.gather(F.silu(gate) * up, flat, c.hidden, 1).view(h.shape[0], c.top_k, c.hidden)
+            return (out * weights[:, :, None]).sum(1) + shared
+        return self._moe_prefill(h, weights, ids, routed_gate_up, routed_down) + shared
+
+    def _moe_prefill(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, routed_gate_up: PackedLinear,
+                     routed_down: PackedLinear) -> torch.Tensor:
+        """Routed experts for many tokens: tokens sorted by expert, one dequantized block product per expert hit
+        (the expert counts come to the host once per layer; prefill is never graph-captured)."""
+        c = self.config
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=c.experts).tolist()
+        out = torch.zeros_like(h)
+        start = 0
+        width = c.expert_width
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            tokens = pairs // c.top_k
+            gate, up = routed_gate_up.block(h[tokens], expert * 2 * width, 2 * width).chunk(2, dim=-1)
+            y = routed_down.block(F.silu(gate) * up, expert * c.hidden, c.hidden)
+            out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None])
+        return out
+
+    # -- prefill ---------------------------------------------------------------------------------------------
+
+    def _prefill_chunk(self, ids: torch.Tensor, state: SlotState, all_logits: bool) -> torch.Tensor:
+        c = self.config
+        start, tokens = state.length, ids.numel()
+        positions = torch.arange(start, start + tokens, device=self.device, dtype=torch.int32)
+        x = self.linears["token_embedding"].rows(ids.to(torch.int32))
+        for i, kind in enumerate(c.layer_types):
+            prefix = f"layers/{i}/"
+            h = rms_norm(x, self.vectors[prefix + "input_norm"], c.rms_eps)
+            if kind == FULL_ATTENTION:
+                h = self._attention_prefill(h, i, state, positions)
+            else:
+                h = self._gdn_prefill(h, i, state)
+            x = x + h
+            h = rms_norm(x, self.vectors[prefix + "post_attention_norm"], c.rms_eps)
+            x = x + self._mlp(h, prefix, decode=tokens * c.top_k <= MAX_GATHERED_PAIRS)
+        state.length = start + tokens
+        x = rms_norm(x if all_logits else x[-1:], self.vectors["final_norm"], c.rms_eps)
+        logits = self.head(x, out_dtype=torch.float32)
+        return logits if all_logits else logits[0]
+
+    def _attention_prefill(self, h: torch.Tensor, layer: int, state: SlotState,
+                           positions: torch.Tensor) -> torch.Tensor:
+        c, cache = self.config, self.cache
+        prefix = f"layers/{layer}/attention/"
+        tokens, q_rows = h.shape[0], c.heads * c.head_dim
+        query_key = self.linears[prefix + "query_key"](h)
+        gate_value = self.linears[prefix + "gate_value"](h)
+        q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
+                            positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
+        v = gate_value[:, q_rows:].view(tokens, c.kv_heads, c.head_dim)
+        tables = cache.block_tables[state.slot : state.slot + 1].expand(tokens, -1)
+        write_kv(k, v, cache.key_pages[layer], cache.value_pages[layer], cache.key_scales.get(layer),
+                 cache.value_scales.get(layer), tables, positions)
+        start = state.length
+        keys, values = cache.dense_kv(layer, state, start + tokens, q.dtype)
+        mask = None
+        if start:  # query t (position start + t) sees keys 0 … start + t
+            key_pos = torch.arange(start + tokens, device=self.device)
+            mask = key_pos[None, :] <= positions[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                           values.transpose(0, 1)[None], attn_mask=mask, is_causal=not start,
+                                           scale=c.head_dim**-0.5, enable_gqa=True)
+        o = o[0].transpose(0, 1).reshape(tokens, q_rows) * torch.sigmoid(gate_value[:, :q_rows])
+        return self.linears[prefix + "output"](o)
+
+    def _gdn_prefill(self, h: torch.Tensor, layer: int, state: SlotState) -> torch.Tensor:
+        c, cache = self.config, self.cache
+        prefix = f"layers/{layer}/gdn/"
+        tokens = h.shape[0]
+        key_rows, value_rows = c.k_heads * c.k_dim, c.v_heads * c.v_dim
+        query_key = self.linears[prefix + "query_key"](h)
+        value_z = self.linears[prefix + "value_z"](h)
+        a_b = self.linears[prefix + "a_b_projection"](h)
+        index = cache.gdn_index[layer]
+        mixed, window = causal_conv1d(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
+                                      self.vectors[prefix + "convolution"], cache.conv[index, state.slot])
+        cache.conv[index, state.slot] = window
+        q = mixed[:, :key_rows].reshape(tokens, c.k_heads, c.k_dim)
+        k = mixed[:, key_rows : 2 * key_rows].reshape(tokens, c.k_heads, c.k_dim)
+        v = mixed[:, 2 * key_rows :].reshape(tokens, c.v_heads, c.v_dim)
+        a, b = a_b[:, : c.v_heads], a_b[:, c.v_heads :]
+        beta = torch.sigmoid(b)
+        g = -torch.exp(self.vectors[prefix + "a_log"]) * F.softplus(a.float() + self.vectors[prefix + "dt_bias"])
+        repeat = c.v_heads // c.k_heads
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        initial = cache.recurrent[index, state.slot]
+        if chunk_gated_delta_rule is not None:
+            o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=c.k_dim**-0.5,
+                                              initial_state=initial[None], output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+            o, final = o[0], final[0]
+        else:
+            o, final = gated_delta_rule_chunked(l2_normalize(q) * c.k_dim**-0.5, l2_normalize(k), v.float(), g,
+                                                beta.float(), initial)
+        cache.recurrent[index, state.slot] = final
+        o = rms_norm_gated(o.to(h.dtype), value_z[:, value_rows:].reshape(tokens, c.v_heads, c.v_dim),
+                           self.vectors[prefix + "norm"], c.rms_eps)
+        return self.linears[prefix + "output"](o.reshape(tokens, value_rows))
