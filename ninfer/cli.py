@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--preset", required=True, choices=list(PRESETS))
     synth.add_argument("--recipe", required=True, choices=RECIPES)
     synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (a slice)")
     _add_output_flags(synth)
 
     inspect = commands.add_parser("inspect", help="components, configs, objects and totals of an artifact")
@@ -115,6 +116,7 @@ def _add_run_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                      help="compute dtype (default auto: fp32 on the CPU, bf16 on CUDA)")
     run.add_argument("--print-token-ids", action="store_true", help="print the generated ids after the text")
+    _add_path_flags(run)
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -123,6 +125,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (with no MODEL: the "
                                               "embedded demo model)")
     add_arguments(serve, _positive_int)
+    _add_path_flags(serve)
 
 
 def _add_eval_parsers(commands: argparse._SubParsersAction) -> None:
@@ -164,7 +167,16 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("-b", "--batch-sizes", type=_int_list, default=[1, 2, 4, 8], help="default 1,2,4,8")
     bench.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     bench.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
+    _add_path_flags(bench)
     bench.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _add_path_flags(parser: argparse.ArgumentParser) -> None:
+    """The execution path and the fast path's KV options (shared by run, bench and serve)."""
+    parser.add_argument("--runner", choices=["auto", "fast", "reference"], default="auto",
+                        help="auto: the GPU fast path on CUDA when the model suits it (default), else the reference")
+    parser.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="bf16",
+                        help="fast path KV cache precision (default bf16)")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -176,7 +188,9 @@ def _bench(args: argparse.Namespace) -> int:
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.model is not None and not args.model.is_file():
         raise NinferError(f"{args.model}: no such file")
-    llm = LLM(args.model, device=args.device, dtype=dtype)
+    llm = LLM(args.model, device=args.device, dtype=dtype, runner=args.runner, kv_dtype=args.kv_dtype,
+              max_sequences=max(args.batch_sizes), max_context=max(args.prompt_lengths) + args.new_tokens + 1,
+              progress=not args.json)
     lengths = [min(p, llm.max_context - args.new_tokens - 1) for p in args.prompt_lengths]
     if min(lengths) < 1:
         raise NinferError(f"--new-tokens {args.new_tokens} leaves no room for a prompt in {llm.max_context}")
@@ -222,7 +236,8 @@ def _run(args: argparse.Namespace) -> int:
         from ninfer.convert.synth import synth_artifact
 
         report = synth_artifact(args.preset, args.recipe, args.out, seed=args.seed, device=args.device,
-                                artifact_id=args.artifact_id, part_cap=args.part_size, quiet=args.quiet)
+                                artifact_id=args.artifact_id, part_cap=args.part_size, quiet=args.quiet,
+                                layers=args.layers)
         _print_written(report)
         return 0
     from ninfer.artifact.inspect import format_summary, summarize, verify

@@ -1,4 +1,5 @@
-"""`ninfer bench`: the decode floor counts every weight and each sequence's state; the report's numbers are
+"""`ninfer bench`: the decode floor counts the weight matrices a step reads (not the untied embedding table; of a
+MoE's routed experts the expected share B tokens touch) and each sequence's state; the report's numbers are
 consistent with each other and the command's output parses."""
 
 from __future__ import annotations
@@ -9,16 +10,17 @@ import torch
 
 from ninfer.cli import main
 from ninfer.engine.llm import LLM
-from ninfer.eval.bench import Limits, _state_bytes, run_bench
+from ninfer.eval.bench import Limits, _state_bytes, _weight_bytes_per_step, run_bench
 
 
 def test_bytes_per_step_and_fractions_follow_from_the_limits():
     llm = LLM()
     limits = Limits("cpu", read_bytes_per_second=1e10, matmul_flops_per_second=1e11, dtype="float32")
     report = run_bench(llm, [32], new_tokens=4, batch_sizes=[1, 3], limits=limits)
-    weights = sum(t.numel() * t.element_size() for t in llm.model.weights.values())
-    assert report.weight_bytes == weights
+    assert report.weight_bytes == sum(t.numel() * t.element_size() for t in llm.model.weights.values())
     c = llm.model.config
+    weights = sum(t.numel() * 4 for name, t in llm.model.weights.items()  # fp32 matrices of the trunk
+                  if t.dim() == 2 and not name.startswith("mtp/") and (c.tied or name != "token_embedding"))
     # 2 attention layers x (K and V) x rows x heads x dim x 4 bytes, plus 6 GDN layers' fp32 state and conv rows
     state = 2 * 2 * 34 * c.kv_heads * c.head_dim * 4 + 6 * (c.v_heads * c.k_dim * c.v_dim * 4 + c.conv_dim * 3 * 4)
     assert _state_bytes(llm, 34) == state
@@ -37,3 +39,15 @@ def test_bench_command_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["limits"]["read_bytes_per_second"] > 0 and data["limits"]["matmul_flops_per_second"] > 0
     assert [row["batch"] for row in data["decode"]] == [1] and data["prefill"][0]["tokens"] == 16
+
+
+def test_moe_decode_reads_the_expected_share_of_the_experts():
+    llm = LLM("data/models/small-moe-q8.ninfer")
+    c = llm.model.config
+    routed = sum(t.numel() * 4 for name, t in llm.model.weights.items()
+                 if "/moe/routed_" in name and not name.startswith("mtp/"))
+    rest = _weight_bytes_per_step(llm, 1) - routed * c.top_k / c.experts
+    for batch in (1, 2, 8):
+        share = 1 - (1 - c.top_k / c.experts) ** batch  # chance that a given expert is among a step's choices
+        assert abs(_weight_bytes_per_step(llm, batch) - (rest + routed * share)) < 1e-3
+    assert _weight_bytes_per_step(llm, 8) > _weight_bytes_per_step(llm, 1)

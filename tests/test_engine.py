@@ -135,7 +135,8 @@ def test_prefix_reuse_across_clients_and_turns_gives_identical_logits(llm):
                 fresh_logits = model.forward(torch.tensor(ids[start:end]), fresh)
                 start = end
             resumed = model.new_state(len(ids))
-            Engine._restore(resumed, engine.cache.get(PrefixCache.key(ids[:boundary])))
+            snapshot = engine.cache.get(PrefixCache.key(ids[:boundary]))
+            model.restore(resumed, snapshot.length, snapshot.tensors)
             start = boundary
             for end in (e for e in ends if e > boundary):
                 resumed_logits = model.forward(torch.tensor(ids[start:end]), resumed)

@@ -10,7 +10,8 @@ import torch
 from ninfer.artifact import open_artifact
 from ninfer.cli import main
 from ninfer.convert.qwen3_5 import plan_qwen3_5
-from ninfer.convert.synth import PRESETS, SyntheticSource, checkpoint_shapes
+from ninfer.convert.synth import PRESETS, SyntheticSource, checkpoint_shapes, synth_artifact
+from ninfer.errors import ConversionError
 
 
 def _parameters(preset: str) -> dict[str, int]:
@@ -102,3 +103,14 @@ def test_tiny_presets_build_verify_and_are_deterministic(tmp_path, capsys, prese
 def test_unknown_preset_is_rejected(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["synth", "--preset", "gpt-5", "--recipe", "q4", "--out", str(tmp_path / "x.ninfer")])
+
+
+def test_layers_keeps_a_slice_of_the_preset(tmp_path):
+    synth_artifact("tiny-dense", "bf16", tmp_path / "slice.ninfer", quiet=True, layers=2)
+    with open_artifact(tmp_path / "slice.ninfer") as artifact:
+        config = artifact.components["text"]["config"]
+        assert config["num_hidden_layers"] == 2 and config["layer_types"] == PRESETS["tiny-dense"]["layer_types"][:2]
+        assert not any(o.id.startswith("text/layers/2/") for o in artifact.objects)
+        assert any(o.id.startswith("text/layers/1/") for o in artifact.objects)
+    with pytest.raises(ConversionError, match=r"--layers must lie in 1\.\.4"):
+        synth_artifact("tiny-dense", "bf16", tmp_path / "bad.ninfer", quiet=True, layers=5)

@@ -224,10 +224,16 @@ def synth_resources(config: dict[str, Any]) -> dict[str, dict[str, bytes]]:
 
 def synth_artifact(preset: str, recipe: str, out: Path, *, seed: int = 0, device: str = "cpu",
                    artifact_id: bytes | None = None, part_cap: int = DEFAULT_PART_CAP,
-                   quiet: bool = False) -> dict[str, Any]:
+                   quiet: bool = False, layers: int | None = None) -> dict[str, Any]:
+    """Build the preset's artifact; `layers` keeps only its first N decoder layers (a slice at the real widths, for
+    tests and quick measurements)."""
     if preset not in PRESETS:
         raise ConversionError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     config = PRESETS[preset]
+    if layers is not None:
+        if not 1 <= layers <= config["num_hidden_layers"]:
+            raise ConversionError(f"--layers must lie in 1..{config['num_hidden_layers']} for {preset}")
+        config = {**config, "num_hidden_layers": layers, "layer_types": config["layer_types"][:layers]}
     source = SyntheticSource(config, seed, str(parse_device(device)))
     plan = plan_qwen3_5(config, source)
     provenance = {"synthetic": {"preset": preset, "seed": seed}}

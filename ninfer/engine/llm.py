@@ -6,7 +6,9 @@
     for event in llm.stream([{"role": "user", "content": "Hi"}]):
         ...                                              # ReasoningDelta / ContentDelta / ToolCall, then Finished
 
-One sequence at a time on the reference model: prefill the prompt, then sample token by token; the text
+The model is the GPU fast path (ninfer.fast: packed weights, paged KV, CUDA-graph decode) on CUDA when the
+model's shapes suit its kernels, else the torch reference model (`runner="reference"` forces it). One sequence at a
+time here (the serving Engine batches): prefill the prompt, then sample token by token; the text
 goes through the incremental detokenizer, the stop-string matcher and the reasoning / tool-call parser.
 Ids beyond the tokenizer's vocabulary (the embedding's padding rows, e.g. 248,077..248,319 for Qwen3.5) are
 never sampled: they have no text.
@@ -28,13 +30,29 @@ from ninfer.devices import parse_device, synchronize
 from ninfer.engine.output import Completion, OutputPipeline
 from ninfer.errors import NinferError
 from ninfer.frontend import ChatTemplate, Tokenizer
+from ninfer.model.config import TextConfig
 from ninfer.model.qwen3_5 import Qwen35Model
 from ninfer.sampling import SamplingParams
 
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent.parent / "assets" / "demo.ninfer"
 
+FAST_DEFAULT_CONTEXT = 32768
+
 Messages = list[dict[str, Any]]
 Prompt = str | Messages | Sequence[int]
+
+
+def fast_path_unsupported(config: TextConfig, device: torch.device) -> str | None:
+    """Why the fast path cannot run this model here, or None when it can."""
+    if device.type != "cuda":
+        return "it runs on CUDA only"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the triton package is not installed"
+    if config.head_dim < 64 or config.head_dim & (config.head_dim - 1):
+        return f"the attention head_dim {config.head_dim} is not a power of two of at least 64"
+    return None
 
 
 class PromptTooLongError(NinferError):
@@ -52,13 +70,36 @@ class LLM:
     """A loaded model with its tokenizer and chat template."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, runner: str = "auto", kv_dtype: str = "bf16",
+                 kv_capacity: int | None = None, max_sequences: int = 8, prefill_chunk: int = 4096,
+                 progress: bool = False):
+        """`runner`: "auto" (the fast path on CUDA when the model suits it), "fast" or "reference". The fast path's
+        options: `kv_dtype` (bf16 / int8 / fp8), `kv_capacity` (KV tokens over all sequences; default: what the
+        free memory holds, up to `max_sequences` full contexts), `max_sequences` (state slots = the largest
+        decode batch), `prefill_chunk`; its context defaults to min(the model's, FAST_DEFAULT_CONTEXT)."""
         started = time.perf_counter()
         self.path = Path(model) if model is not None else DEFAULT_ARTIFACT
         self.device = parse_device(device)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        if runner not in ("auto", "fast", "reference"):
+            raise NinferError(f"unknown runner {runner!r}; use auto, fast or reference")
         with Artifact.open(self.path) as artifact:
-            self.model = Qwen35Model.from_artifact(artifact, self.device, self.dtype)
+            config = TextConfig.from_dict(artifact.components["text"]["config"])
+            reason = fast_path_unsupported(config, self.device)
+            if runner == "fast" and reason:
+                raise NinferError(f"the fast path cannot run this model: {reason}")
+            self.fast = runner != "reference" and reason is None
+            if self.fast:
+                from ninfer.fast.runner import FastQwen35
+
+                context = min(max_context or FAST_DEFAULT_CONTEXT, config.max_positions)
+                self.model = FastQwen35.from_artifact(
+                    artifact, self.device, max_sequences=max_sequences, max_context=context,
+                    kv_capacity=kv_capacity, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, dtype=self.dtype,
+                    progress=progress)
+                max_context = context
+            else:
+                self.model = Qwen35Model.from_artifact(artifact, self.device, self.dtype)
             self.tokenizer = Tokenizer.from_artifact(artifact)
             generation_config = artifact.component_resource("text", "generation_config.json")
             self.generation_config = json.loads(generation_config) if generation_config else {}

@@ -38,7 +38,6 @@ from ninfer.devices import synchronize
 from ninfer.engine.llm import LLM, Finished, PromptTooLongError
 from ninfer.engine.output import Completion, OutputPipeline
 from ninfer.errors import NinferError
-from ninfer.model.qwen3_5 import SequenceState
 from ninfer.sampling import SamplingParams
 
 
@@ -140,7 +139,7 @@ class _Sequence:
         self.enqueued = time.perf_counter()
         self.cancelled = False
         self.finished = False
-        self.state: SequenceState | None = None
+        self.state: Any = None  # the model's sequence state (SequenceState or the fast path's SlotState)
         self.output: OutputPipeline | None = None
         self.position = 0  # prompt tokens in the state
         self.chunk_ends: list[int] = []
@@ -170,7 +169,15 @@ class Engine:
         self.max_pending = max_pending
         self.queue_timeout = queue_timeout
         self.prefill_chunk = prefill_chunk
-        self.kv_capacity = kv_capacity or max_concurrency * llm.max_context
+        slots = getattr(llm.model, "max_batch", None)  # the fast path decodes at most this many sequences
+        if slots is not None and max_concurrency > slots:
+            raise NinferError(f"max_concurrency {max_concurrency} exceeds the model's {slots} sequence slots "
+                              "(load it with max_sequences >= max_concurrency)")
+        model_capacity = getattr(llm.model, "kv_capacity", None)
+        self.kv_capacity = kv_capacity or model_capacity or max_concurrency * llm.max_context
+        if model_capacity is not None and self.kv_capacity > model_capacity:
+            raise NinferError(f"kv_capacity {self.kv_capacity} exceeds the {model_capacity} tokens of the model's "
+                              "KV pool")
         self.cache = PrefixCache(llm.device, prefix_cache_bytes, host_cache_bytes)
         im_end = llm.tokenizer.im_end_id
         self._boundary_ids = {im_end} if im_end is not None else set()
@@ -187,6 +194,8 @@ class Engine:
         full context. On CUDA, what the free device memory holds after a `margin` fraction is kept back: KV rows
         of the attention layers per token, plus each sequence's fixed GDN conv and recurrent state."""
         ceiling = max_concurrency * llm.max_context
+        if getattr(llm.model, "kv_capacity", None) is not None:  # the fast path planned its pool at load
+            return min(ceiling, llm.model.kv_capacity)
         if llm.device.type != "cuda":
             return ceiling
         c = llm.model.config
@@ -267,15 +276,19 @@ class Engine:
                         self._wake.wait(timeout=0.05)
                         continue
                     running = list(self._running)
+                decoding = []
                 for sequence in running:
                     if sequence.cancelled:
                         self._release(sequence)
                         continue
                     try:
-                        self._advance(sequence)
+                        if self._advance(sequence):
+                            decoding.append(sequence)
                     except Exception as exc:  # a failing request must not stop the engine
                         sequence.send(exc)
                         self._release(sequence)
+                if decoding:
+                    self._decode(decoding)
         for sequence in list(self._running) + list(self._waiting):
             sequence.send(EngineClosedError("the engine is shutting down"))
 
@@ -303,8 +316,11 @@ class Engine:
             self._running.append(sequence)
 
     def _budget(self, request: Request) -> int:
-        """Context tokens reserved for a request: prompt plus output budget, within the context and KV capacity."""
-        return min(self.llm.max_context, self.kv_capacity, len(request.prompt_ids) + request.params.max_tokens)
+        """Context tokens reserved for a request: prompt plus output budget, within the context and KV capacity,
+        rounded up to whole KV pages on the fast path."""
+        need = min(self.llm.max_context, self.kv_capacity, len(request.prompt_ids) + request.params.max_tokens)
+        page = getattr(self.llm.model, "page", 1)
+        return -(-need // page) * page
 
     def _start(self, sequence: _Sequence, capacity: int) -> None:
         request = sequence.request
@@ -323,7 +339,7 @@ class Engine:
         for boundary in sorted(sequence.boundaries, reverse=True):
             snapshot = self.cache.get(PrefixCache.key(ids[:boundary]))
             if snapshot is not None:
-                self._restore(sequence.state, snapshot)
+                llm.model.restore(sequence.state, snapshot.length, snapshot.tensors)
                 sequence.position = boundary
                 sequence.output.completion.stats.cached_tokens = boundary
                 self.cache.hits += 1
@@ -339,8 +355,9 @@ class Engine:
             sequence.finished = True
             self._wake.notify_all()
 
-    def _advance(self, sequence: _Sequence) -> None:
-        """One unit of work: the next prefill chunk, or one decode step."""
+    def _advance(self, sequence: _Sequence) -> bool:
+        """One unit of work: the next prefill chunk, or the events of the last logits; True when the sequence
+        then needs a decode step (taken for all such sequences together by `_decode`)."""
         model = self.llm.model
         ids = sequence.request.prompt_ids
         state, output = sequence.state, sequence.output
@@ -353,13 +370,13 @@ class Engine:
             if end in sequence.boundaries:
                 key = PrefixCache.key(ids[:end])
                 if key not in self.cache:
-                    self.cache.put(key, self._snapshot(state))
+                    self.cache.put(key, _Snapshot(state.length, model.snapshot(state)))
             if end == len(ids):
                 sequence.logits = logits
                 synchronize(self.llm.device)
                 output.completion.stats.prefill_seconds = time.perf_counter() - sequence.prefill_started
                 sequence.decode_started = time.perf_counter()
-            return
+            return False
         free = state.capacity - state.length
         for event in output.step(sequence.logits, free):
             sequence.send(event)
@@ -370,26 +387,18 @@ class Engine:
             sequence.finished = True
             sequence.send(Finished(output.completion))
             self._release(sequence)
+            return False
+        return True
+
+    def _decode(self, sequences: list[_Sequence]) -> None:
+        """One decode step for every sequence that sampled a token: one batched forward of the model."""
+        tokens = torch.tensor([s.output.completion.token_ids[-1] for s in sequences], device=self.llm.device)
+        try:
+            logits = self.llm.model.decode_batch([s.state for s in sequences], tokens)
+        except Exception as exc:  # the batch failed: fail its requests, keep the engine
+            for sequence in sequences:
+                sequence.send(exc)
+                self._release(sequence)
             return
-        token = torch.tensor(output.completion.token_ids[-1:], device=self.llm.device)
-        sequence.logits = model.forward(token, state)
-
-    def _snapshot(self, state: SequenceState) -> _Snapshot:
-        tensors: dict[tuple[str, int], torch.Tensor] = {}
-        for layer, keys in state.keys.items():
-            tensors[("keys", layer)] = keys[: state.length].clone()
-            tensors[("values", layer)] = state.values[layer][: state.length].clone()
-        for kind, states in (("conv", state.conv), ("recurrent", state.recurrent)):
-            for layer, tensor in states.items():
-                if tensor is not None:
-                    tensors[(kind, layer)] = tensor.clone()
-        return _Snapshot(state.length, tensors)
-
-    @staticmethod
-    def _restore(state: SequenceState, snapshot: _Snapshot) -> None:
-        for (kind, layer), tensor in snapshot.tensors.items():
-            if kind in ("keys", "values"):
-                getattr(state, kind)[layer][: snapshot.length] = tensor
-            else:
-                getattr(state, kind)[layer] = tensor.clone()
-        state.length = snapshot.length
+        for sequence, row in zip(sequences, logits, strict=True):
+            sequence.logits = row

@@ -7,9 +7,10 @@ Limits (METHOD: write the floor first):
   * matmul rate — a large square matmul in the compute dtype — bounds prefill: 2 FLOPs per weight per token
     plus the attention scores.
 Decode fraction = (bytes read per step / measured bandwidth) / measured step time; prefill fraction =
-(FLOPs / measured rate) / measured time. Today the engine runs the torch reference model (weights decoded to the
-compute dtype at load, one sequence per forward), so "bytes read" counts the weights as held in memory; batch
-sizes above 1 run their sequences one after another within each step, as the serving engine does.
+(FLOPs / measured rate) / measured time. "Bytes read" counts the weight matrices as the model holds them (packed
+on the fast path, decoded on the reference path) except the untied token embedding (a decode step reads B rows of
+it), and of a MoE's routed experts only the expected share that B tokens × top-k choices touch; a batch decodes in
+one `decode_batch` step (the reference path runs its sequences one after another).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class BenchReport:
     model: str
     limits: Limits
     weight_bytes: int
+    runner: str = "reference"
     prefill: list[dict[str, float]] = field(default_factory=list)
     decode: list[dict[str, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0
@@ -80,19 +82,33 @@ def _state_bytes(llm: LLM, length: int) -> int:
     and the fp32 recurrent plus conv state of the GDN layers."""
     c = llm.model.config
     element = torch.empty((), dtype=llm.dtype).element_size()
+    kv_element = getattr(getattr(llm.model, "cache", None), "kv_element_bytes", element)
     attention = sum(1 for t in c.layer_types if t == FULL_ATTENTION)
     gdn = c.layers - attention
-    return (attention * 2 * length * c.kv_heads * c.head_dim * element
+    return (attention * 2 * length * c.kv_heads * c.head_dim * kv_element
             + gdn * (c.v_heads * c.k_dim * c.v_dim * 4 + c.conv_dim * (c.conv_kernel - 1) * element))
+
+
+def _weight_bytes_per_step(llm: LLM, batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens must read (see the module docstring)."""
+    c = llm.model.config
+    total = 0.0
+    touched = 1 - (1 - c.top_k / c.experts) ** batch if c.moe else 1.0  # expected share of the experts hit
+    for name, (_, _, nbytes) in llm.model.matrices().items():
+        if name == "token_embedding" and not c.tied:
+            continue
+        total += nbytes * (touched if "/moe/routed_" in name else 1.0)
+    return total
 
 
 def _prefill_flops(llm: LLM, tokens: int) -> float:
     c = llm.model.config
-    matmul_weights = sum(t.numel() for name, t in llm.model.weights.items()
-                         if t.dim() == 2 and name != "token_embedding" and not name.endswith("convolution"))
-    if c.moe:  # only top_k of the experts work per token
-        routed = sum(t.numel() for name, t in llm.model.weights.items() if "/moe/routed_" in name)
-        matmul_weights -= routed * (1 - c.top_k / c.experts)
+    matmul_weights = 0.0
+    for name, (rows, columns, _) in llm.model.matrices().items():
+        if name == "token_embedding" or name.endswith("convolution"):
+            continue
+        share = c.top_k / c.experts if "/moe/routed_" in name else 1.0  # only top_k of the experts work per token
+        matmul_weights += rows * columns * share
     attention_layers = sum(1 for t in c.layer_types if t == FULL_ATTENTION)
     scores = attention_layers * 2 * 2 * c.heads * c.head_dim * tokens * tokens / 2  # causal QK^T and PV
     return 2 * matmul_weights * tokens + scores
@@ -104,8 +120,7 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
     limits = limits or measure_limits(device, llm.dtype)
     model = llm.model
     vocab = llm.tokenizer.vocab_size
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.weights.values())
-    report = BenchReport(str(llm.path), limits, weight_bytes)
+    report = BenchReport(str(llm.path), limits, model.weight_bytes, runner="fast" if llm.fast else "reference")
     generator = torch.Generator().manual_seed(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -120,26 +135,28 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
                                    "fraction_of_matmul_limit": floor / seconds})
         context = min(prompt_lengths)
         for batch in batch_sizes:
-            states, tokens = [], []
+            states, first = [], []
             for _ in range(batch):
                 state = model.new_state(context + new_tokens + 1)
                 ids = torch.randint(0, vocab, (context,), generator=generator).to(device)
-                tokens.append(int(torch.argmax(model.forward(ids, state))))
+                first.append(model.forward(ids, state).argmax())
                 states.append(state)
+            tokens = torch.stack(first)
+            model.decode_batch(states, tokens)  # warm-up (CUDA graphs are captured on first use)
             synchronize(device)
             started = time.perf_counter()
-            for _ in range(new_tokens):
-                for i, state in enumerate(states):
-                    tokens[i] = int(torch.argmax(model.forward(torch.tensor([tokens[i]], device=device), state)))
+            for _ in range(new_tokens - 1):
+                tokens = model.decode_batch(states, tokens).argmax(-1)
             synchronize(device)
             seconds = time.perf_counter() - started
-            step_bytes = weight_bytes + batch * _state_bytes(llm, context + new_tokens // 2)
+            steps = new_tokens - 1
+            step_bytes = _weight_bytes_per_step(llm, batch) + batch * _state_bytes(llm, context + new_tokens // 2)
             floor = step_bytes / limits.read_bytes_per_second
             report.decode.append({"batch": batch, "context": context, "new_tokens": new_tokens,
-                                  "seconds_per_step": seconds / new_tokens,
-                                  "tokens_per_second": batch * new_tokens / seconds,
+                                  "seconds_per_step": seconds / steps,
+                                  "tokens_per_second": batch * steps / seconds,
                                   "bytes_per_step": step_bytes,
-                                  "fraction_of_bandwidth_limit": floor / (seconds / new_tokens)})
+                                  "fraction_of_bandwidth_limit": floor / (seconds / steps)})
     if device.type == "cuda":
         report.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     return report
@@ -147,7 +164,8 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
 
 def format_report(report: BenchReport) -> str:
     lim = report.limits
-    lines = [f"{report.model} on {lim.device}: weights {report.weight_bytes / 2**20:.1f} MiB as held in memory",
+    lines = [f"{report.model} on {lim.device} ({report.runner} runner): weights "
+             f"{report.weight_bytes / 2**20:.1f} MiB as held in memory",
              f"limits measured now: read {lim.read_bytes_per_second / 1e9:.1f} GB/s, "
              f"{lim.dtype} matmul {lim.matmul_flops_per_second / 1e12:.2f} TFLOP/s",
              "prefill  tokens   tok/s      fraction of the matmul limit"]

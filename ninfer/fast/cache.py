@@ -147,6 +147,14 @@ class SequenceCache:
         self.free_pages = list(range(pages - 1, 0, -1))
 
     @property
+    def kv_element_bytes(self) -> float:
+        """Bytes per cached K or V element, scales included."""
+        pool = next(iter(self.key_pages.values()), None)
+        if pool is None:
+            return 0.0
+        return pool.element_size() + (2 / SCALE_GROUP if self.kv_dtype != "bf16" else 0)
+
+    @property
     def scratch_slot(self) -> int:
         return self.slots
 

@@ -79,6 +79,19 @@ class FastQwen35:
     def kv_capacity(self) -> int:
         return self.plan.kv_tokens
 
+    @property
+    def page(self) -> int:
+        return self.cache.page
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(m.nbytes for m in self.linears.values()) + sum(
+            t.numel() * t.element_size() for t in self.vectors.values())
+
+    def matrices(self) -> dict[str, tuple[int, int, int]]:
+        """Name → (rows, columns, bytes as held) of every weight matrix (speed accounting)."""
+        return {name: (*m.shape, m.nbytes) for name, m in self.linears.items()}
+
     @classmethod
     def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cuda", *, max_sequences: int = 8,
                       max_context: int = 32768, kv_capacity: int | None = None, kv_dtype: str = "bf16",

@@ -80,7 +80,41 @@ class Qwen35Model:
                 state.recurrent[i] = None
         return state
 
+    def snapshot(self, state: SequenceState) -> dict[tuple[str, int], torch.Tensor]:
+        """Copies of a sequence's state (KV rows up to its length, conv and recurrent state): prefix reuse."""
+        tensors: dict[tuple[str, int], torch.Tensor] = {}
+        for layer, keys in state.keys.items():
+            tensors[("keys", layer)] = keys[: state.length].clone()
+            tensors[("values", layer)] = state.values[layer][: state.length].clone()
+        for kind, states in (("conv", state.conv), ("recurrent", state.recurrent)):
+            for layer, tensor in states.items():
+                if tensor is not None:
+                    tensors[(kind, layer)] = tensor.clone()
+        return tensors
+
+    def restore(self, state: SequenceState, length: int, tensors: dict[tuple[str, int], torch.Tensor]) -> None:
+        """Put a `snapshot` of a `length`-token prefix into a fresh state."""
+        for (kind, layer), tensor in tensors.items():
+            if kind in ("keys", "values"):
+                getattr(state, kind)[layer][:length] = tensor.to(self.device)
+            else:
+                getattr(state, kind)[layer] = tensor.to(self.device).clone()
+        state.length = length
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    def matrices(self) -> dict[str, tuple[int, int, int]]:
+        """Name → (rows, columns, bytes as held) of every trunk weight matrix (speed accounting)."""
+        return {name: (t.shape[0], t.shape[1], t.numel() * t.element_size()) for name, t in self.weights.items()
+                if t.dim() == 2 and not name.startswith("mtp/")}
+
     # -- the forward pass ------------------------------------------------------------------------------------
+
+    def decode_batch(self, states: list[SequenceState], ids: torch.Tensor) -> torch.Tensor:
+        """One token for each sequence: logits `[B, V]` (the reference runs them one after another)."""
+        return torch.stack([self.forward(ids[i : i + 1], state) for i, state in enumerate(states)])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weights["token_embedding"][ids]

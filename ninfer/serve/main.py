@@ -60,7 +60,9 @@ def serve_command(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)
     try:
         dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-        llm = LLM(path, device=args.device, dtype=dtype, max_context=args.max_context)
+        llm = LLM(path, device=args.device, dtype=dtype, max_context=args.max_context, runner=args.runner,
+                  kv_dtype=args.kv_dtype, max_sequences=args.max_concurrency,
+                  kv_capacity=args.kv_capacity if isinstance(args.kv_capacity, int) else None)
         kv_capacity = (Engine.plan_kv_capacity(llm, args.max_concurrency) if args.kv_capacity == "auto"
                        else args.kv_capacity)
         engine = Engine(llm, max_concurrency=args.max_concurrency, max_pending=args.max_pending,

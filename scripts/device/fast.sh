@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the GPU machine: the fast path's GPU tests, then `ninfer bench` on synthetic presets.
+# Usage: bash scripts/device/fast.sh [tests] [PRESET:RECIPE:BENCH-FLAGS ...]
+#   e.g. bash scripts/device/fast.sh tests "qwen3.8-27b:q4:-p 512 -n 64 -b 1,8"
+# Wheels in .whl (fla-core etc.) are installed to /tmp/site first when present.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=.:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+git log --oneline -1 2>/dev/null
+for job in "$@"; do
+  if [ "$job" = tests ]; then
+    python3 -m pytest -q -m gpu tests/test_fast_runner_gpu.py tests/test_paged_attention_gpu.py \
+      tests/test_gdn_decode_gpu.py tests/test_model_gpu.py tests/test_engine_gpu.py 2>&1 | tee "$OUT/tests.log" \
+      | grep -E "passed|failed|FAILED|Error" | head -40
+    continue
+  fi
+  IFS=: read -r preset recipe flags <<<"$job"
+  artifact="/tmp/$preset-$recipe.ninfer"
+  [ -f "$artifact" ] || python3 -m ninfer synth --preset "$preset" --recipe "$recipe" --device cuda --out "$artifact" \
+    --quiet
+  # shellcheck disable=SC2086
+  python3 -m ninfer bench "$artifact" --device cuda $flags 2>&1 | tee "$OUT/bench-$preset-$recipe.log" | grep -v "^loading"
+done

@@ -1,0 +1,121 @@
+"""The GPU fast path's model runner against the reference model, on the CPU under the Triton interpreter (fp32
+activations): chunked prefill, batched decode, the MoE routes, quantized KV pages, prefix snapshots, the memory
+plan and slot accounting. The same comparisons at real shapes on CUDA are in tests/test_fast_runner_gpu.py."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ninfer.artifact.reader import Artifact
+from ninfer.fast.cache import CacheFullError, MemoryPlanError, plan_memory
+from ninfer.fast.runner import FastQwen35
+from ninfer.model.config import TextConfig
+from ninfer.model.qwen3_5 import Qwen35Model
+
+DENSE = "ninfer/assets/demo.ninfer"
+MOE = "data/models/small-moe-q8.ninfer"
+FP32_TOLERANCE = 1e-4  # relative to the largest logit: fp32 on both sides, summation orders differ
+QUANTIZED_KV_TOLERANCE = {"int8": 0.03, "fp8": 0.1}  # KV rounding, relative to the largest logit
+PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3, 8, 12, 13, 40, 41, 42, 43, 44, 45, 46, 47, 48, 200, 201, 202]
+
+
+def _models(path, **options):
+    with Artifact.open(path) as artifact:
+        reference = Qwen35Model.from_artifact(artifact, "cpu", torch.float32)
+        fast = FastQwen35.from_artifact(artifact, "cpu", dtype=torch.float32, max_context=128, **options)
+    return reference, fast
+
+
+def _relative(got, expected):
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return _models(DENSE, max_sequences=3, prefill_chunk=20)
+
+
+def test_chunked_prefill_and_batched_decode_equal_the_reference(dense):
+    reference, fast = dense
+    prompts = [torch.tensor(PROMPT), torch.tensor([9, 8, 7])]  # 23 tokens: chunks of 20 (cuBLAS route) and 3
+    ref_states = [reference.new_state(64) for _ in prompts]
+    fast_states = [fast.new_state(64) for _ in prompts]
+    expected = [reference.forward(p, s) for p, s in zip(prompts, ref_states, strict=True)]
+    got = [fast.forward(p, s) for p, s in zip(prompts, fast_states, strict=True)]
+    for e, g in zip(expected, got, strict=True):
+        assert _relative(g, e) < FP32_TOLERANCE
+    for step in range(2):
+        tokens = torch.tensor([int(e.argmax()) for e in expected])
+        expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
+        got = fast.decode_batch(fast_states, tokens)
+        for row, e in enumerate(expected):
+            assert _relative(got[row], e) < FP32_TOLERANCE, f"decode step {step}, sequence {row}"
+    assert [s.length for s in fast_states] == [len(PROMPT) + 2, 5]
+
+
+def test_snapshot_restore_continues_like_the_original(dense):
+    _, fast = dense
+    original = fast.new_state(64)
+    fast.forward(torch.tensor(PROMPT[:10]), original)
+    saved = fast.snapshot(original)
+    expected = fast.forward(torch.tensor(PROMPT[10:14]), original)
+    copy = fast.new_state(64)
+    fast.restore(copy, 10, saved)
+    got = fast.forward(torch.tensor(PROMPT[10:14]), copy)
+    assert copy.length == 14
+    assert torch.equal(got, expected)
+
+
+def test_slots_are_bounded_and_returned_when_a_state_is_dropped(dense):
+    _, fast = dense
+    gc.collect()
+    free = len(fast.cache.free_slots)
+    states = [fast.new_state(16) for _ in range(free)]
+    with pytest.raises(CacheFullError, match="free slots"):
+        fast.new_state(16)
+    with pytest.raises(CacheFullError, match="exceeds the context"):
+        fast.cache.allocate(10_000)
+    del states
+    gc.collect()
+    assert len(fast.cache.free_slots) == free
+    with pytest.raises(ValueError, match="capacity"):
+        fast.forward(torch.tensor(PROMPT), fast.new_state(8))
+
+
+def test_moe_prefill_and_decode_routes_equal_the_reference():
+    reference, fast = _models(MOE, max_sequences=2, prefill_chunk=64)
+    prompt = torch.tensor(PROMPT * 2)  # 46 tokens × top-k pairs: the grouped-by-expert prefill route
+    ref_state, fast_state = reference.new_state(64), fast.new_state(64)
+    expected, got = reference.forward(prompt, ref_state), fast.forward(prompt, fast_state)
+    assert _relative(got, expected) < FP32_TOLERANCE
+    token = torch.tensor([int(expected.argmax())])
+    assert _relative(fast.forward(token, fast_state), reference.forward(token, ref_state)) < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_kv_stays_close_to_the_reference(kv_dtype):
+    reference, fast = _models(DENSE, max_sequences=1, kv_dtype=kv_dtype)
+    ref_state, fast_state = reference.new_state(64), fast.new_state(64)
+    expected, got = reference.forward(torch.tensor(PROMPT), ref_state), fast.forward(torch.tensor(PROMPT), fast_state)
+    token = torch.tensor([int(expected.argmax())])
+    expected, got = reference.forward(token, ref_state), fast.forward(token, fast_state)
+    error = _relative(got, expected)
+    assert 0 < error < QUANTIZED_KV_TOLERANCE[kv_dtype]  # nonzero: the pages really are quantized
+
+
+def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
+    with Artifact.open(DENSE) as artifact:
+        config = TextConfig.from_dict(artifact.components["text"]["config"])
+    options = dict(slots=4, max_context=1000, kv_capacity=None, kv_dtype="bf16", prefill_chunk=256)
+    roomy = plan_memory(config, 10**8, 10**10, **options)
+    assert roomy.kv_tokens == 4000  # capped at slots × context
+    tight = plan_memory(config, 10**8, roomy.total - roomy.kv // 2, **options, margin=0.0)
+    assert tight.kv_tokens == 2000  # what is left after weights, state and workspace
+    assert plan_memory(config, 10**8, 10**10, **{**options, "kv_dtype": "int8"}).kv < roomy.kv
+    with pytest.raises(MemoryPlanError, match=r"does not fit.*lower --max-context"):
+        plan_memory(config, 10**10, 10**10, **options)
