@@ -113,9 +113,9 @@ def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
         config = TextConfig.from_dict(artifact.components["text"]["config"])
     options = dict(slots=4, max_context=1000, kv_capacity=None, kv_dtype="bf16", prefill_chunk=256)
     roomy = plan_memory(config, 10**8, 10**10, **options)
-    assert roomy.kv_tokens == 4000  # capped at slots × context
+    assert roomy.kv_tokens == 4 * 1024  # capped at slots × context in whole 64-position pages
     tight = plan_memory(config, 10**8, roomy.total - roomy.kv // 2, **options, margin=0.0)
-    assert tight.kv_tokens == 2000  # what is left after weights, state and workspace
+    assert tight.kv_tokens == 2048  # what is left after weights, state and workspace
     assert plan_memory(config, 10**8, 10**10, **{**options, "kv_dtype": "int8"}).kv < roomy.kv
     with pytest.raises(MemoryPlanError, match=r"does not fit.*lower --max-context"):
         plan_memory(config, 10**10, 10**10, **options)

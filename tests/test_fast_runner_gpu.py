@@ -1,6 +1,11 @@
-"""The fast path on CUDA (`pytest -m gpu`): logits against the reference model on the embedded model and on
-4-layer slices of the qwen3.8-27b and qwen3.6-35b-a3b presets at their real widths (q4 recipe), CUDA-graph
-replay equal to eager decode, and a long greedy generation equal between the fast path and the reference."""
+"""The fast path on CUDA (`pytest -m gpu`): logits against the reference model on 4-layer slices of the
+qwen3.8-27b and qwen3.6-35b-a3b presets at their real widths (q4 recipe), CUDA-graph replay equal to eager
+decode for each KV dtype, and a long greedy generation equal between the fast path and the reference.
+
+The model comparisons run both paths in fp32: random-weight models at these widths are so sensitive that the
+reference in bf16 is itself 3-28 % (of the largest logit) away from the reference in fp32 (MoE routing flips
+among near-tied experts), so a bf16 comparison could not tell a bug from rounding; the bf16 kernels are checked
+one by one at these shapes in their own GPU tests."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from ninfer.model.qwen3_5 import Qwen35Model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-BF16_TOLERANCE = 3e-2  # relative to the largest logit: bf16 activations against the fp32 reference
+FP32_TOLERANCE = 1e-3  # relative to the largest logit: fp32 on both paths, summation orders differ
 DEMO = "ninfer/assets/demo.ninfer"
 
 
@@ -29,7 +34,8 @@ def sliced(request, tmp_path_factory):
     synth_artifact(request.param, "q4", path, quiet=True, layers=4, device="cuda")
     with Artifact.open(path) as artifact:
         reference = Qwen35Model.from_artifact(artifact, "cuda", torch.float32)
-        fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=2048, prefill_chunk=256)
+        fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=2048, prefill_chunk=256,
+                                        dtype=torch.float32)
     return reference, fast
 
 
@@ -42,13 +48,13 @@ def test_real_shape_slice_prefill_and_batched_decode(sliced):
     expected = [reference.forward(p.cuda(), s) for p, s in zip(prompts, ref_states, strict=True)]
     got = [fast.forward(p.cuda(), s) for p, s in zip(prompts, fast_states, strict=True)]
     for e, g in zip(expected, got, strict=True):
-        assert _relative(g, e) < BF16_TOLERANCE
+        assert _relative(g, e) < FP32_TOLERANCE
     for step in range(4):
         tokens = torch.stack([e.argmax() for e in expected])
         expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
         got = fast.decode_batch(fast_states, tokens)
         for row, e in enumerate(expected):
-            assert _relative(got[row], e) < BF16_TOLERANCE, f"step {step} sequence {row}"
+            assert _relative(got[row], e) < FP32_TOLERANCE, f"step {step} sequence {row}"
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
@@ -71,8 +77,8 @@ def test_graph_replay_equals_eager_decode(kv_dtype):
 
 def test_long_greedy_generation_equals_the_reference():
     with Artifact.open(DEMO) as artifact:
-        reference = Qwen35Model.from_artifact(artifact, "cuda", torch.bfloat16)
-        fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=1, max_context=1024)
+        reference = Qwen35Model.from_artifact(artifact, "cuda", torch.float32)
+        fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=1, max_context=1024, dtype=torch.float32)
     prompt = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], device="cuda")
     tokens = {}
     for model in (reference, fast):
@@ -85,4 +91,19 @@ def test_long_greedy_generation_equals_the_reference():
         tokens[model] = out
     pairs = enumerate(zip(tokens[reference], tokens[fast], strict=True))
     agree = next((i for i, (a, b) in pairs if a != b), 200)
-    assert agree >= 100, f"greedy tokens diverge at step {agree}"
+    assert agree == 200, f"greedy tokens diverge at step {agree}"
+
+
+def test_prefill_delta_rule_in_bf16_matches_the_fp32_reference():
+    from ninfer.fast.runner import delta_rule_prefill
+    from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tokens, heads, dim = 1000, 48, 128  # the 27B's value heads (keys already repeated)
+    q, k, v = (torch.randn(tokens, heads, dim, device="cuda", generator=generator) for _ in range(3))
+    g = -torch.rand(tokens, heads, device="cuda", generator=generator) * 0.5
+    beta = torch.rand(tokens, heads, device="cuda", generator=generator)
+    initial = torch.randn(heads, dim, dim, device="cuda", generator=generator) * 0.1
+    o, final = delta_rule_prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), initial, dim)
+    o_ref, final_ref = gated_delta_rule_chunked(l2_normalize(q) * dim**-0.5, l2_normalize(k), v, g, beta, initial)
+    assert _relative(o, o_ref) < 2e-2 and _relative(final, final_ref) < 2e-2

@@ -23,6 +23,7 @@ from ninfer.model.config import FULL_ATTENTION, TextConfig
 
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 SCALE_GROUP = 64
+PAGE = 64  # positions per KV page
 
 
 class MemoryPlanError(NinferError):
@@ -74,10 +75,12 @@ class MemoryPlan:
 
 
 def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int, max_context: int,
-                kv_capacity: int | None, kv_dtype: str, prefill_chunk: int, margin: float = 0.05) -> MemoryPlan:
+                kv_capacity: int | None, kv_dtype: str, prefill_chunk: int, margin: float = 0.05,
+                page: int = PAGE) -> MemoryPlan:
     """Size the KV pool: `kv_capacity` tokens when given, else (auto) what is left after the weights, the slots'
     recurrent state and the workspace, minus a `margin` fraction of the free memory — capped at what `slots`
-    sequences of `max_context` can use. Raises MemoryPlanError when even one full-context sequence does not fit."""
+    sequences of `max_context` (in whole pages) can use. Raises MemoryPlanError when even one full-context
+    sequence does not fit."""
     state = (slots + 1) * state_bytes_per_slot(config)
     per_token = kv_bytes_per_token(config, kv_dtype)
     # workspace: the largest dequantized prefill matrix, prefill activations (a few [chunk, width] tensors) and the
@@ -89,7 +92,7 @@ def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int,
     workspace = largest_matrix * 2 + 8 * prefill_chunk * max(widths) * 4 + 2 * slots * config.vocab * 4
     keep = int(free * margin)
     room = free - keep - weight_bytes - state - workspace
-    ceiling = slots * max_context
+    ceiling = slots * math.ceil(max_context / page) * page
     tokens = min(ceiling, room // per_token) if kv_capacity is None else kv_capacity
     plan = MemoryPlan(weight_bytes, tokens * per_token, state, workspace, free, tokens, slots, keep)
     if tokens < max_context or plan.total > free - keep:
@@ -116,7 +119,7 @@ class SequenceCache:
     """The device pools and their free lists (host side; the device never reads them)."""
 
     def __init__(self, config: TextConfig, device: torch.device, *, slots: int, kv_tokens: int, max_context: int,
-                 kv_dtype: str, float_dtype: torch.dtype = torch.bfloat16, page: int = 64):
+                 kv_dtype: str, float_dtype: torch.dtype = torch.bfloat16, page: int = PAGE):
         self.config = config
         self.device = device
         self.page = page

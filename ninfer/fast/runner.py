@@ -26,10 +26,11 @@ from ninfer.devices import free_memory
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch
 from ninfer.kernels.conv1d import causal_conv1d
+from ninfer.kernels.fused import add_rms_norm, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
 from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
 from ninfer.kernels.moe import route_top_k
-from ninfer.kernels.norm import rms_norm, rms_norm_gated
+from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.model.config import FULL_ATTENTION, TextConfig
 from ninfer.quant import codec_for
@@ -50,6 +51,21 @@ def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
     if isinstance(codec_for(fmt), GroupwiseCodec) or len(shape) != 2:
         return stored
     return math.prod(shape) * 2
+
+
+def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       initial: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over T tokens of one sequence from `initial` `[H, Dk, Dv]` (fp32): q, k `[T, H, Dk]`
+    before their L2 norm (already repeated to the value heads), v `[T, H, Dv]`, log-decay g and beta `[T, H]`.
+    flash-linear-attention's chunked kernel for bf16/fp16 inputs when installed, else the torch reference
+    (`gated_delta_rule_chunked`). Returns (o `[T, H, Dv]`, final state `[H, Dk, Dv]` fp32)."""
+    if chunk_gated_delta_rule is not None and q.dtype in (torch.bfloat16, torch.float16) and q.is_cuda:
+        o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=k_dim**-0.5,
+                                          initial_state=initial[None], output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)
+        return o[0], final[0]
+    return gated_delta_rule_chunked(l2_normalize(q) * k_dim**-0.5, l2_normalize(k), v.float(), g, beta.float(),
+                                    initial)
 
 
 class FastQwen35:
@@ -205,23 +221,26 @@ class FastQwen35:
 
     def _decode(self, batch: int) -> torch.Tensor:
         """The decode step over the first `batch` rows of `self.inputs` (device tensors only: graph-capturable)."""
-        c = self.config
         ids, slots, lengths = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
         positions = lengths - 1
         tables = self.cache.block_tables.index_select(0, slots)
         x = self.linears["token_embedding"].rows(ids)
+        h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
+                         lambda h, i: self._gdn_decode(h, i, slots), decode=True)
+        return self.head(h, out_dtype=torch.float32)
+
+    def _layers(self, x: torch.Tensor, attention, gdn, decode: bool) -> torch.Tensor:
+        """The decoder layers and the final norm over embedded tokens x `[T, H]`; the residual adds are fused into
+        the next norm. `attention(h, layer)` / `gdn(h, layer)` are the mixers; the head's logits (fp32) return."""
+        c = self.config
+        x, h = add_rms_norm(x, None, self.vectors["layers/0/input_norm"], c.rms_eps)
         for i, kind in enumerate(c.layer_types):
             prefix = f"layers/{i}/"
-            h = rms_norm(x, self.vectors[prefix + "input_norm"], c.rms_eps)
-            if kind == FULL_ATTENTION:
-                h = self._attention_decode(h, i, positions, lengths, tables)
-            else:
-                h = self._gdn_decode(h, i, slots)
-            x = x + h
-            h = rms_norm(x, self.vectors[prefix + "post_attention_norm"], c.rms_eps)
-            x = x + self._mlp(h, prefix, decode=True)
-        x = rms_norm(x, self.vectors["final_norm"], c.rms_eps)
-        return self.head(x, out_dtype=torch.float32)
+            mixed = attention(h, i) if kind == FULL_ATTENTION else gdn(h, i)
+            x, h = add_rms_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], c.rms_eps)
+            following = f"layers/{i + 1}/input_norm" if i + 1 < c.layers else "final_norm"
+            x, h = add_rms_norm(x, self._mlp(h, prefix, decode), self.vectors[following], c.rms_eps)
+        return h
 
     def _attention_decode(self, h: torch.Tensor, layer: int, positions: torch.Tensor, lengths: torch.Tensor,
                           tables: torch.Tensor) -> torch.Tensor:
@@ -238,8 +257,7 @@ class FastQwen35:
         write_kv(k, v, *pools, tables, positions)
         o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
                                    max_length=cache.max_pages * cache.page)
-        o = o.reshape(batch, q_rows) * torch.sigmoid(gate_value[:, :q_rows])
-        return self.linears[prefix + "output"](o)
+        return self.linears[prefix + "output"](sigmoid_mul(o.view(batch, q_rows), gate_value[:, :q_rows]))
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -261,23 +279,20 @@ class FastQwen35:
         sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
         c = self.config
         if not c.moe:
-            gate_up = self.linears[prefix + "mlp/gate_up"](h)
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.linears[prefix + "mlp/down"](F.silu(gate) * up)
+            return self.linears[prefix + "mlp/down"](silu_mul(self.linears[prefix + "mlp/gate_up"](h)))
         experts = c.experts
         logits = self.linears[prefix + "moe/router_shared_gate"](h)
         weights, ids = route_top_k(logits[:, :experts], c.top_k)
         weights = weights.to(h.dtype)
-        gate_up = self.linears[prefix + "moe/shared_gate_up"](h)
-        gate, up = gate_up.chunk(2, dim=-1)
-        shared = torch.sigmoid(logits[:, experts:]) * self.linears[prefix + "moe/shared_down"](F.silu(gate) * up)
+        shared = self.linears[prefix + "moe/shared_down"](silu_mul(self.linears[prefix + "moe/shared_gate_up"](h)))
+        shared = torch.sigmoid(logits[:, experts:]) * shared
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         width = c.expert_width
         if decode:
             flat = ids.reshape(-1).to(torch.int32)
-            gate, up = routed_gate_up.gather(h, flat, 2 * width, c.top_k).chunk(2, dim=-1)
-            out = routed_down.gather(F.silu(gate) * up, flat, c.hidden, 1).view(h.shape[0], c.top_k, c.hidden)
+            activation = silu_mul(routed_gate_up.gather(h, flat, 2 * width, c.top_k))
+            out = routed_down.gather(activation, flat, c.hidden, 1).view(h.shape[0], c.top_k, c.hidden)
             return (out * weights[:, :, None]).sum(1) + shared
         return self._moe_prefill(h, weights, ids, routed_gate_up, routed_down) + shared
 
@@ -298,8 +313,8 @@ class FastQwen35:
             pairs = order[start : start + count]
             start += count
             tokens = pairs // c.top_k
-            gate, up = routed_gate_up.block(h[tokens], expert * 2 * width, 2 * width).chunk(2, dim=-1)
-            y = routed_down.block(F.silu(gate) * up, expert * c.hidden, c.hidden)
+            activation = silu_mul(routed_gate_up.block(h[tokens], expert * 2 * width, 2 * width))
+            y = routed_down.block(activation, expert * c.hidden, c.hidden)
             out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None])
         return out
 
@@ -310,19 +325,10 @@ class FastQwen35:
         start, tokens = state.length, ids.numel()
         positions = torch.arange(start, start + tokens, device=self.device, dtype=torch.int32)
         x = self.linears["token_embedding"].rows(ids.to(torch.int32))
-        for i, kind in enumerate(c.layer_types):
-            prefix = f"layers/{i}/"
-            h = rms_norm(x, self.vectors[prefix + "input_norm"], c.rms_eps)
-            if kind == FULL_ATTENTION:
-                h = self._attention_prefill(h, i, state, positions)
-            else:
-                h = self._gdn_prefill(h, i, state)
-            x = x + h
-            h = rms_norm(x, self.vectors[prefix + "post_attention_norm"], c.rms_eps)
-            x = x + self._mlp(h, prefix, decode=tokens * c.top_k <= MAX_GATHERED_PAIRS)
+        h = self._layers(x, lambda h, i: self._attention_prefill(h, i, state, positions),
+                         lambda h, i: self._gdn_prefill(h, i, state), decode=tokens * c.top_k <= MAX_GATHERED_PAIRS)
         state.length = start + tokens
-        x = rms_norm(x if all_logits else x[-1:], self.vectors["final_norm"], c.rms_eps)
-        logits = self.head(x, out_dtype=torch.float32)
+        logits = self.head(h if all_logits else h[-1:], out_dtype=torch.float32)
         return logits if all_logits else logits[0]
 
     def _attention_prefill(self, h: torch.Tensor, layer: int, state: SlotState,
@@ -347,8 +353,8 @@ class FastQwen35:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            values.transpose(0, 1)[None], attn_mask=mask, is_causal=not start,
                                            scale=c.head_dim**-0.5, enable_gqa=True)
-        o = o[0].transpose(0, 1).reshape(tokens, q_rows) * torch.sigmoid(gate_value[:, :q_rows])
-        return self.linears[prefix + "output"](o)
+        o = o[0].transpose(0, 1).reshape(tokens, q_rows)
+        return self.linears[prefix + "output"](sigmoid_mul(o, gate_value[:, :q_rows]))
 
     def _gdn_prefill(self, h: torch.Tensor, layer: int, state: SlotState) -> torch.Tensor:
         c, cache = self.config, self.cache
@@ -370,15 +376,7 @@ class FastQwen35:
         g = -torch.exp(self.vectors[prefix + "a_log"]) * F.softplus(a.float() + self.vectors[prefix + "dt_bias"])
         repeat = c.v_heads // c.k_heads
         q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-        initial = cache.recurrent[index, state.slot]
-        if chunk_gated_delta_rule is not None:
-            o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=c.k_dim**-0.5,
-                                              initial_state=initial[None], output_final_state=True,
-                                              use_qk_l2norm_in_kernel=True)
-            o, final = o[0], final[0]
-        else:
-            o, final = gated_delta_rule_chunked(l2_normalize(q) * c.k_dim**-0.5, l2_normalize(k), v.float(), g,
-                                                beta.float(), initial)
+        o, final = delta_rule_prefill(q, k, v, g, beta, cache.recurrent[index, state.slot], c.k_dim)
         cache.recurrent[index, state.slot] = final
         o = rms_norm_gated(o.to(h.dtype), value_z[:, value_rows:].reshape(tokens, c.v_heads, c.v_dim),
                            self.vectors[prefix + "norm"], c.rms_eps)

@@ -1,0 +1,109 @@
+"""Small fused kernels of the decode step, each replacing a chain of elementwise torch ops (one launch instead of
+several: a decode step of a 64-layer model runs a few hundred of them, so launches cost as much as the matrices).
+
+  * `add_rms_norm(x, h, weight, eps)`: s = x + h rounded to x's dtype (the residual add), then the zero-centred
+    RMSNorm of s exactly as `ninfer.kernels.norm.rms_norm` (fp32 inside, `x̂ · (1 + w)`, one rounding);
+    returns (s, norm(s)). With h None it is only the norm.
+  * `silu_mul(gate_up)`: silu(gate) · up of a `[B, 2I]` gate/up projection (gate first), in its dtype — the SwiGLU
+    activation as `swiglu_mlp` computes it (silu rounded to the dtype, then the product rounded).
+  * `sigmoid_mul(x, gate)`: x · sigmoid(gate) in x's dtype (the attention output gate).
+Rows are independent; shapes `[B, D]` with stride 1 on D (row strides free). Under TRITON_INTERPRET=1 they run
+on the CPU (tested there in fp32; bf16 conversions in the interpreter truncate).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:  # Triton is optional: the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, D, stride_x, stride_h, stride_out, eps,
+                             HAS_H: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK)
+        ok = d < D
+        x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+        if HAS_H:
+            x = (x + tl.load(h_ptr + row * stride_h + d, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * D + d, x, mask=ok)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+        y = xf * rstd * (1.0 + tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32))
+        tl.store(out_ptr + row * stride_out + d, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, width, stride_gu, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < width
+        gate = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
+        up = tl.load(gu_ptr + row * stride_gu + width + cols, mask=ok, other=0.0)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        tl.store(out_ptr + row * width + cols, (silu * up).to(gate.dtype), mask=ok)
+
+    @triton.jit
+    def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, D, stride_x, stride_gate, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+        g = tl.load(gate_ptr + row * stride_gate + cols, mask=ok, other=0.0).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-g))).to(x.dtype)
+        tl.store(out_ptr + row * D + cols, (x * sig).to(x.dtype), mask=ok)
+
+
+ELEMENTWISE_BLOCK = 1024
+
+
+def _check(name: str, *tensors: Tensor) -> None:
+    if triton is None:
+        raise RuntimeError(f"{name} needs the triton package")
+    for t in tensors:
+        if t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name}: expected [B, D] tensors with stride 1 on D, got {list(t.shape)} "
+                             f"strides {t.stride()}")
+
+
+def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(s, rms_norm(s)) with s = x + h (or s = x when h is None); see the module docstring."""
+    _check("add_rms_norm", x, *([h] if h is not None else []))
+    rows, width = x.shape
+    total = torch.empty((rows, width), dtype=x.dtype, device=x.device) if h is not None else x
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(width)
+    _add_rms_norm_kernel[(rows,)](x, h if h is not None else x, weight, total, out, width, x.stride(0),
+                                  h.stride(0) if h is not None else 0, out.stride(0), eps, HAS_H=h is not None,
+                                  BLOCK=block, num_warps=max(1, min(16, block // 256)))
+    return total, out
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate_up[:, :I]) · gate_up[:, I:] → `[B, I]`."""
+    _check("silu_mul", gate_up)
+    rows, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](gate_up, out, inter, gate_up.stride(0),
+                                                                  BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
+    return out
+
+
+def sigmoid_mul(x: Tensor, gate: Tensor) -> Tensor:
+    """x · sigmoid(gate) → `[B, D]` in x's dtype."""
+    _check("sigmoid_mul", x, gate)
+    rows, width = x.shape
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    _sigmoid_mul_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](x, gate, out, width, x.stride(0),
+                                                                     gate.stride(0), BLOCK=ELEMENTWISE_BLOCK,
+                                                                     num_warps=4)
+    return out

@@ -1,0 +1,52 @@
+"""The fused decode-step kernels against the torch reference ops, under the Triton interpreter (fp32) on the CPU
+and in bf16 on CUDA (tests/conftest.py decides)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from ninfer.kernels.fused import add_rms_norm, sigmoid_mul, silu_mul
+from ninfer.kernels.norm import rms_norm
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[DTYPE]  # relative, largest element
+
+
+def _close(got, expected):
+    scale = expected.float().abs().max()
+    return float((got.float() - expected.float()).abs().max() / scale) <= TOLERANCE
+
+
+@pytest.mark.parametrize("width", [256, 300, 5120])
+def test_add_rms_norm_equals_add_then_rms_norm(width):
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(3, width, generator=generator) * 4).to(DEVICE, DTYPE)
+    h = torch.randn(3, 2 * width, generator=generator).to(DEVICE, DTYPE)[:, :width]  # a strided view
+    weight = (torch.randn(width, generator=generator) * 0.1).to(DEVICE, DTYPE)
+    total, normed = add_rms_norm(x, h, weight, 1e-6)
+    assert torch.equal(total, x + h)
+    assert _close(normed, rms_norm(x + h, weight, 1e-6))
+    same, only_norm = add_rms_norm(x, None, weight, 1e-6)
+    assert same is x and _close(only_norm, rms_norm(x, weight, 1e-6))
+
+
+def test_silu_mul_and_sigmoid_mul_equal_the_torch_ops():
+    generator = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(4, 2 * 1500, generator=generator) * 3).to(DEVICE, DTYPE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert _close(silu_mul(gate_up), F.silu(gate) * up)
+    x = torch.randn(4, 1200, generator=generator).to(DEVICE, DTYPE)
+    projection = torch.randn(4, 2400, generator=generator).to(DEVICE, DTYPE)
+    assert _close(sigmoid_mul(x, projection[:, :1200]), x * torch.sigmoid(projection[:, :1200]))
+
+
+def test_fused_kernels_refuse_non_row_major_inputs():
+    with pytest.raises(ValueError, match="stride 1"):
+        silu_mul(torch.randn(8, 4).T)
