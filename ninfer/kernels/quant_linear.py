@@ -185,8 +185,9 @@ def _high_row_units(codec: GroupwiseCodec, planes: list) -> int:
 
 
 def _block_k(k_pad: int, tokens: int) -> int:
-    """The widest K tile (lanes) that divides the padded K: 512 for one token, 256 when tl.dot meets x."""
-    return next(b for b in ((512, 256, 128) if tokens == 1 else (256, 128)) if k_pad % b == 0)
+    """The widest K tile (lanes) that divides the padded K: up to 1024 for one token (the H200 sweep's best at
+    every 27B / 35B shape, docs/performance.md), 256 when tl.dot meets x."""
+    return next(b for b in ((1024, 512, 256, 128) if tokens == 1 else (256, 128)) if k_pad % b == 0)
 
 
 def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str,
@@ -210,7 +211,7 @@ def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int
     slots = tokens if experts is None else experts.numel()
     out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=x.device)
     block_t = 1 if tokens == 1 or experts is not None else 16  # tl.dot needs at least 16 columns
-    block_n = block_n or (256 if INTERPRETED else 16 if block_t > 1 else 8)
+    block_n = block_n or (256 if INTERPRETED else 64 if block_t > 1 else 16 if n >= 16384 else 8)
     block_k = block_k or _block_k(k_pad, block_t)
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")

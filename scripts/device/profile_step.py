@@ -1,0 +1,50 @@
+"""Where a fast-path step's time goes: per-kernel CUDA time of eager decode steps (batch 1 and 8) and of one
+prefill chunk on a 4-layer slice of a preset (the same kernels at the real widths), plus the graph-replayed step
+time. Usage: python3 scripts/device/profile_step.py PRESET [PROMPT_TOKENS]"""
+
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ninfer.artifact.reader import Artifact
+from ninfer.convert.synth import synth_artifact
+from ninfer.fast.runner import FastQwen35
+
+preset = sys.argv[1]
+prompt = int(sys.argv[2]) if len(sys.argv) > 2 else 512
+path = f"/tmp/{preset}-slice.ninfer"
+synth_artifact(preset, "q4", path, quiet=True, layers=4, device="cuda")
+with Artifact.open(path) as artifact:
+    model = FastQwen35.from_artifact(artifact, "cuda", max_sequences=8, max_context=prompt + 64)
+ids = torch.randint(0, 240_000, (prompt,), device="cuda")
+for batch in (1, 8):
+    states = [model.new_state(prompt + 32) for _ in range(batch)]
+    for state in states:
+        model.forward(ids, state)
+    tokens = torch.zeros(batch, dtype=torch.long, device="cuda")
+    model.use_graphs = False
+    model.decode_batch(states, tokens)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            model.decode_batch(states, tokens)
+        torch.cuda.synchronize()
+    print(f"== eager decode, batch {batch}, 3 steps, 4 layers ==")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+    model.use_graphs = True
+    model.decode_batch(states, tokens)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(20):
+        model.decode_batch(states, tokens)
+    torch.cuda.synchronize()
+    print(f"graph step batch {batch}: {(time.perf_counter() - started) / 20 * 1e3:.3f} ms (4 layers + head)")
+    del states
+state = model.new_state(prompt + 32)
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    model.forward(ids, state)
+    torch.cuda.synchronize()
+print(f"== prefill of {prompt} tokens, 4 layers ==")
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
