@@ -119,3 +119,44 @@ def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
     assert plan_memory(config, 10**8, 10**10, **{**options, "kv_dtype": "int8"}).kv < roomy.kv
     with pytest.raises(MemoryPlanError, match=r"does not fit.*lower --max-context"):
         plan_memory(config, 10**10, 10**10, **options)
+
+
+def test_engine_batches_decode_steps_on_the_fast_runner(dense):
+    """The serving engine over the fast runner: concurrent greedy requests decode together (one decode_batch per
+    step, budgets in whole KV pages) and each gets the reference model's single-request tokens; slots return."""
+    import asyncio
+
+    from ninfer.engine.llm import LLM, Finished
+    from ninfer.engine.scheduler import Engine, Request
+    from ninfer.sampling import SamplingParams
+
+    _, fast = dense
+    llm = LLM()  # the embedded demo model on the reference runner, then given the fast runner
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [llm.tokenizer.encode(f"def f{i}(x):\n    return") for i in range(3)]
+    expected = [llm.generate(ids, params).token_ids for ids in prompts]
+    llm.model = fast
+    gc.collect()
+    free = len(fast.cache.free_slots)
+    steps = []
+    decode_batch = fast.decode_batch
+    fast.decode_batch = lambda states, ids: steps.append(len(states)) or decode_batch(states, ids)
+    engine = Engine(llm, max_concurrency=3).start()
+    try:
+        async def collect(ids):
+            async for event in engine.generate(Request(ids, params, thinking=False)):
+                if isinstance(event, Finished):
+                    return event.completion.token_ids
+            raise AssertionError("no Finished event")
+
+        async def main():
+            return await asyncio.gather(*(collect(ids) for ids in prompts))
+
+        results = asyncio.run(main())
+    finally:
+        engine.close()
+        del fast.decode_batch
+    assert results == expected
+    assert max(steps) == 3  # the three sequences decoded in one batched step
+    gc.collect()
+    assert len(fast.cache.free_slots) == free
