@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from ninfer.artifact.reader import Artifact
 from ninfer.fast.cache import CacheFullError, MemoryPlanError, plan_memory
-from ninfer.fast.runner import FastQwen35
+from ninfer.fast.runner import MAX_GATHERED_PAIRS, FastQwen35
 from ninfer.model.config import TextConfig
 from ninfer.model.qwen3_5 import Qwen35Model
 
@@ -88,9 +88,10 @@ def test_slots_are_bounded_and_returned_when_a_state_is_dropped(dense):
 
 
 def test_moe_prefill_and_decode_routes_equal_the_reference():
-    reference, fast = _models(MOE, max_sequences=2, prefill_chunk=64)
-    prompt = torch.tensor(PROMPT * 2)  # 46 tokens × top-k pairs: the grouped-by-expert prefill route
-    ref_state, fast_state = reference.new_state(64), fast.new_state(64)
+    reference, fast = _models(MOE, max_sequences=2, prefill_chunk=96)
+    prompt = torch.tensor(PROMPT * 3)  # 69 tokens × top-2 = 138 pairs > MAX_GATHERED_PAIRS: the grouped route
+    assert prompt.numel() * reference.config.top_k > MAX_GATHERED_PAIRS
+    ref_state, fast_state = reference.new_state(96), fast.new_state(96)
     expected, got = reference.forward(prompt, ref_state), fast.forward(prompt, fast_state)
     assert _relative(got, expected) < FP32_TOLERANCE
     token = torch.tensor([int(expected.argmax())])

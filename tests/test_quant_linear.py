@@ -10,7 +10,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from ninfer.kernels.quant_linear import dequantize, quant_linear_gemv, quant_linear_reference
+from ninfer.kernels.quant_linear import (
+    dequantize,
+    group_pairs,
+    quant_linear_gemv,
+    quant_linear_grouped,
+    quant_linear_reference,
+)
 from ninfer.quant import codec_for
 
 FORMATS = ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"]
@@ -78,3 +84,34 @@ def test_gemv_refuses_what_it_does_not_do():
         quant_linear_gemv(torch.randn(17, 64), data, (8, 64), "q4_g64_fp16")
     with pytest.raises(ValueError, match="not a groupwise format"):
         quant_linear_gemv(torch.randn(1, 64), codec_for("bf16").encode(torch.randn(8, 64)), (8, 64), "bf16")
+
+
+def test_group_pairs_tiles_every_pair_once_with_its_expert():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [3, 0]]).to(DEVICE)  # 5 tokens, top-2, 4 experts
+    tile_experts, tile_pairs = group_pairs(ids, experts=4, block=2)
+    flat = ids.reshape(-1).tolist()
+    tiles = tile_pairs.view(-1, 2).tolist()
+    assert len(tiles) == tile_experts.numel() == 5 + 4  # ⌈10 / 2⌉ + 4 experts
+    seen = []
+    for expert, tile in zip(tile_experts.tolist(), tiles, strict=True):
+        pairs = [p for p in tile if p >= 0]
+        if expert == 4:  # past the last used tile: empty
+            assert not pairs
+        assert all(flat[p] == expert for p in pairs)
+        seen += pairs
+    assert sorted(seen) == list(range(10))
+    assert tile_experts.tolist()[:5] == [0, 0, 1, 2, 3] and tile_experts.tolist()[5:] == [3, 3, 4, 4]
+
+
+@pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"])
+@pytest.mark.parametrize("x_per_pair", [1, 3])
+def test_grouped_product_equals_each_pairs_expert(fmt, x_per_pair):
+    experts, rows, k, block = 6, 40, 256, 4
+    data, generator = _matrix(fmt, experts * rows, k, 11 + x_per_pair)
+    ids = torch.randint(0, experts, (7 * 3,), generator=generator)  # 21 pairs, uneven per expert
+    x = torch.randn(21 // x_per_pair, k, generator=generator).to(DEVICE)
+    plan = group_pairs(ids.to(DEVICE), experts, block)
+    got = quant_linear_grouped(x, data, (experts * rows, k), fmt, plan, ids.numel(), rows, x_per_pair, block)
+    weight = codec_for(fmt).decode(data, (experts * rows, k)).view(experts, rows, k)
+    expected = torch.stack([x[p // x_per_pair].float() @ weight[e].T for p, e in enumerate(ids.tolist())])
+    assert _relative(got, expected) < RELATIVE_TOLERANCE

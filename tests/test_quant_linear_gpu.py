@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer.kernels.quant_linear import dequantize, quant_linear_gemv, quant_linear_reference
+from ninfer.kernels.quant_linear import (
+    dequantize,
+    group_pairs,
+    quant_linear_gemv,
+    quant_linear_grouped,
+    quant_linear_reference,
+)
 from ninfer.quant import codec_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -55,3 +61,22 @@ def test_dequantize_on_cuda_rounds_once(name):
     n, k, fmt = SHAPES[name]
     data = codec_for(fmt).encode(torch.randn(n, k, device="cuda") * 0.02)
     assert torch.equal(dequantize(data, (n, k), fmt), codec_for(fmt).decode(data, (n, k)).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("fmt", "rows", "k", "x_per_pair"),
+                         [("q4_g64_fp16", 1024, 2048, 8), ("q5_g64_fp16", 2048, 512, 1)])
+def test_grouped_expert_product_on_cuda(fmt, rows, k, x_per_pair):
+    experts, tokens, top_k = 256, 300, 8  # 35B-A3B routed gate_up (x per token) and down (x per pair)
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    data = codec_for(fmt).encode(torch.randn(experts * rows, k, device="cuda", generator=generator) * 0.02)
+    ids = torch.randint(0, experts, (tokens * top_k,), device="cuda", generator=generator)
+    x = torch.randn(tokens * top_k // x_per_pair, k, device="cuda", generator=generator).to(torch.bfloat16)
+    got = quant_linear_grouped(x, data, (experts * rows, k), fmt, group_pairs(ids, experts, 64), ids.numel(), rows,
+                               x_per_pair, 64)
+    weight = codec_for(fmt).decode(data, (experts * rows, k)).view(experts, rows, k)
+    inputs = x[torch.arange(ids.numel(), device="cuda") // x_per_pair].float()
+    expected = torch.empty_like(got, dtype=torch.float32)
+    for expert in ids.unique().tolist():
+        chosen = ids == expert
+        expected[chosen] = inputs[chosen] @ weight[expert].T
+    assert float((got.float() - expected).norm() / expected.norm()) < BF16_REL

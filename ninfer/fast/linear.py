@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, dequantize, quant_linear_gemv
+from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, dequantize, quant_linear_gemv, quant_linear_grouped
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
 
@@ -78,6 +78,13 @@ class PackedLinear:
             return torch.bmm(stacked, inputs.to(stacked.dtype)[:, :, None])[:, :, 0].to(x.dtype)
         return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=x.dtype, experts=experts,
                                  expert_rows=expert_rows, x_per_slot=x_per_slot)
+
+    def grouped(self, x: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor], pairs: int, expert_rows: int,
+                x_per_pair: int) -> torch.Tensor:
+        """Packed stacked experts: row p of the result is x[p // x_per_pair] · W_{expert of pair p}ᵀ, the pairs
+        tiled by `group_pairs` (MoE prefill, one launch)."""
+        return quant_linear_grouped(x, self.data, self.shape, self.format, plan, pairs, expert_rows, x_per_pair,
+                                    block=plan[1].numel() // plan[0].numel())
 
     def block(self, x: torch.Tensor, first_row: int, rows: int) -> torch.Tensor:
         """x · W[first_row : first_row + rows]ᵀ for many tokens (one expert's block in a prefill)."""

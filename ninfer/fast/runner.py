@@ -32,6 +32,7 @@ from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
 from ninfer.kernels.moe import route_top_k
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
+from ninfer.kernels.quant_linear import INTERPRETED, group_pairs
 from ninfer.model.config import FULL_ATTENTION, TextConfig
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
@@ -43,6 +44,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the grouped MoE prefill
 MAX_GATHERED_PAIRS = 128  # a prefill chunk of up to this many (token, expert) pairs takes the decode MoE route
 
 
@@ -298,24 +300,31 @@ class FastQwen35:
 
     def _moe_prefill(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, routed_gate_up: PackedLinear,
                      routed_down: PackedLinear) -> torch.Tensor:
-        """Routed experts for many tokens: tokens sorted by expert, one dequantized block product per expert hit
-        (the expert counts come to the host once per layer; prefill is never graph-captured)."""
+        """Routed experts for many tokens. Packed experts: pairs tiled by expert on the device (`group_pairs`) and
+        one grouped launch per matrix. Plain (bf16) experts: tokens grouped by expert with one cuBLAS product per
+        expert hit (the expert counts come to the host once per layer; prefill is never graph-captured)."""
         c = self.config
+        width = c.expert_width
+        pairs = ids.numel()
+        if routed_gate_up.packed and routed_down.packed:
+            plan = group_pairs(ids, c.experts, MOE_TILE)
+            activation = silu_mul(routed_gate_up.grouped(h, plan, pairs, 2 * width, c.top_k))
+            out = routed_down.grouped(activation, plan, pairs, c.hidden, 1).view(h.shape[0], c.top_k, c.hidden)
+            return (out * weights[:, :, None]).sum(1)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=c.experts).tolist()
         out = torch.zeros_like(h)
         start = 0
-        width = c.expert_width
         for expert, count in enumerate(counts):
             if not count:
                 continue
-            pairs = order[start : start + count]
+            chosen = order[start : start + count]
             start += count
-            tokens = pairs // c.top_k
+            tokens = chosen // c.top_k
             activation = silu_mul(routed_gate_up.block(h[tokens], expert * 2 * width, 2 * width))
             y = routed_down.block(activation, expert * c.hidden, c.hidden)
-            out.index_add_(0, tokens, y * weights.reshape(-1)[pairs, None])
+            out.index_add_(0, tokens, y * weights.reshape(-1)[chosen, None])
         return out
 
     # -- prefill ---------------------------------------------------------------------------------------------

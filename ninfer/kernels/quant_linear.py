@@ -3,7 +3,7 @@
 Contract: x `[T, K]` (fp32 / bf16 / fp16), `data` the object's bytes (1-D uint8, on x's device), `shape` = (N, K)
 of W, `fmt` its format. y[t, n] = Σ_k x[t, k] · scale[n, k // G] · code[n, k], accumulated in fp32.
 
-Three paths with that contract:
+Four paths with that contract:
   * `quant_linear_reference`: decode W exactly (ninfer.quant) and multiply in fp32 — the oracle, any device;
   * `quant_linear_gemv`: a Triton kernel for few tokens (decode, speculative verify: T ≤ 16) that reads the
     packed planes once. Each program owns BLOCK_N rows and walks K in tiles of BLOCK_K lanes, loading the base
@@ -14,8 +14,10 @@ Three paths with that contract:
     weights to x's dtype (as the reference model's decoded weights are) and meets x through `tl.dot` with fp32
     accumulation. With `experts`, the kernel gathers: output row s uses the `expert_rows`-row block of expert
     `experts[s]` and input row `s // x_per_slot` (the MoE decode GEMV);
-  * `dequantize`: the same unpacking into a bf16 `[N, K]` matrix, for the prefill route (dequantize to scratch,
-    then cuBLAS) — `quant_linear` picks the route by T.
+  * `quant_linear_grouped`: the same kernel's `tl.dot` form over tiles of (token, expert) pairs that share an
+    expert (`group_pairs` plans the tiles on the device), for MoE prefill: one launch per matrix for all experts;
+  * `dequantize`: the same unpacking into a bf16 `[N, K]` matrix, for the prefill route of dense matrices
+    (dequantize to scratch, then cuBLAS; `ninfer.fast.linear` picks the route by T).
 Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf16 `tl.dot`).
 """
 
@@ -82,10 +84,11 @@ if triton is not None:
         return words, high, scale
 
     @triton.jit
-    def _gemv_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
-                     T, N, k_pad, row_words, high_row_units, gpr, stride_x, stride_out,
+    def _gemv_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr,
+                     T, N, k_pad, row_words, high_row_units, gpr, stride_x, stride_out, num_experts,
                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr, X_PER_SLOT: tl.constexpr,
+                     IEEE: tl.constexpr):
         LPW: tl.constexpr = 4 if BITS == 8 else 8  # lanes per 32-bit base word
         WORDS: tl.constexpr = BLOCK_K // LPW
         WPG: tl.constexpr = GROUP // LPW  # words per group (8 in every format)
@@ -117,13 +120,27 @@ if triton is not None:
             tl.store(out_base + rows, tl.sum(acc, axis=1), mask=row_ok)
         else:
             tokens = tl.arange(0, BLOCK_T)
-            token_ok = tokens < T
+            if GROUPED:  # program_id(1): a tile of BLOCK_T (token, expert) pairs that share one expert
+                tile = tl.program_id(1)
+                expert = tl.load(expert_ptr + tile)
+                live = expert < num_experts  # tiles past the plan's last one hold no pairs
+                wrows = tl.minimum(expert, num_experts - 1).to(tl.int64) * N + safe_rows
+                pairs = tl.load(pairs_ptr + tile * BLOCK_T + tokens)
+                token_ok = (pairs >= 0) & live
+                x_rows = tl.where(token_ok, pairs // X_PER_SLOT, 0).to(tl.int64)
+                out_rows = tl.where(token_ok, pairs, 0).to(tl.int64)
+                k_end = tl.where(live, k_pad, 0)
+            else:
+                token_ok = tokens < T
+                x_rows = tokens
+                out_rows = tokens
+                k_end = k_pad
             acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            for k0 in tl.range(0, k_pad, BLOCK_K):
+            for k0 in tl.range(0, k_end, BLOCK_K):
                 words, high, scale = _load_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words,
                                                 high_row_units, gpr, BITS, LPW, GROUP, BLOCK_K)
                 for p in tl.static_range(LPW):
-                    x_p = tl.load(x_base + tokens[None, :] * stride_x + (k0 + LPW * w_idx + p)[:, None],
+                    x_p = tl.load(x_base + x_rows[None, :] * stride_x + (k0 + LPW * w_idx + p)[:, None],
                                   mask=token_ok[None, :], other=0.0)
                     codes = _lane_values(words, high, p, BITS)
                     w_p = tl.reshape(tl.reshape(codes, [BLOCK_N, NG, WPG]) * scale[:, :, None], [BLOCK_N, WORDS])
@@ -131,7 +148,7 @@ if triton is not None:
                         acc += tl.dot(w_p.to(x_p.dtype), x_p, input_precision="ieee")
                     else:
                         acc += tl.dot(w_p.to(x_p.dtype), x_p)
-            out = out_base + tokens[None, :] * stride_out + rows[:, None]
+            out = out_base + out_rows[None, :] * stride_out + rows[:, None]
             tl.store(out, acc, mask=row_ok[:, None] & token_ok[None, :])
 
     @triton.jit
@@ -217,11 +234,63 @@ def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
     grid = (triton.cdiv(n, block_n), slots if experts is not None else 1)
     _gemv_kernel[grid](
-        x, base, high, scales, out, experts if experts is not None else base, tokens, n, k_pad,
-        planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, x.stride(0), out.stride(0),
+        x, base, high, scales, out, experts if experts is not None else base, base, tokens, n, k_pad,
+        planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, x.stride(0), out.stride(0), 0,
         BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
-        GATHER=experts is not None, X_PER_SLOT=x_per_slot, IEEE=x.dtype == torch.float32,
+        GATHER=experts is not None, GROUPED=False, X_PER_SLOT=x_per_slot, IEEE=x.dtype == torch.float32,
         num_warps=num_warps or 4)
+    return out
+
+
+def group_pairs(expert_ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tile plan of `quant_linear_grouped` for the (token, expert) pairs `expert_ids` `[P]` (pair p = token
+    p // top_k's choice p % top_k): pairs sorted by expert, each expert's run padded to whole tiles of `block`.
+    Returns (tile_experts `[tiles]` int64: the expert of each tile, `experts` past the last used tile;
+    tile_pairs `[tiles · block]` int64: pair ids, -1 for padding). `tiles` = ⌈P / block⌉ + experts, an upper
+    bound from host ints: the plan is built on the device with no host synchronisation."""
+    flat = expert_ids.reshape(-1).long()
+    pairs = flat.numel()
+    tiles = -(-pairs // block) + experts
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+    tiles_per_expert = (counts + block - 1) // block
+    tile_end = torch.cumsum(tiles_per_expert, 0)
+    first_pair = torch.cumsum(counts, 0) - counts
+    sorted_experts = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - first_pair[sorted_experts]
+    tile_pairs = torch.full((tiles * block,), -1, dtype=torch.long, device=flat.device)
+    tile_pairs[(tile_end - tiles_per_expert)[sorted_experts] * block + rank] = order
+    tile_experts = torch.searchsorted(tile_end, torch.arange(tiles, device=flat.device), right=True)
+    return tile_experts, tile_pairs
+
+
+def quant_linear_grouped(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str,
+                         plan: tuple[torch.Tensor, torch.Tensor], pairs: int, expert_rows: int, x_per_pair: int,
+                         block: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Many tokens through their experts in one launch (MoE prefill): W stacks experts of `expert_rows` rows
+    (`shape` is the whole stack); with the tile plan of `group_pairs(ids, experts, block)`, row p of the result
+    `[pairs, expert_rows]` is x[p // x_per_pair] · W_{ids[p]}ᵀ. Each program dequantizes one BLOCK_N × BLOCK_K
+    weight tile of its tile's expert per step and meets the tile's `block` gathered x rows through `tl.dot`
+    (weights rounded to x's dtype, fp32 accumulation) — an expert's weights are read once per tile of its pairs,
+    not once per pair."""
+    if triton is None:
+        raise RuntimeError("the Triton grouped product needs the triton package")
+    codec, base, high, scales, planes = _planes(data, shape, fmt)
+    tile_experts, tile_pairs = plan
+    k = shape[1]
+    gpr = codec.groups_per_row(k)
+    k_pad = gpr * codec.group
+    if x.shape[1] != k_pad or x.stride(1) != 1:
+        x = torch.nn.functional.pad(x, (0, k_pad - x.shape[1])).contiguous()
+    out = torch.empty((pairs, expert_rows), dtype=out_dtype or x.dtype, device=x.device)
+    block_n = 256 if INTERPRETED else 64
+    block_k = _block_k(k_pad, block)
+    experts = shape[0] // expert_rows
+    _gemv_kernel[(triton.cdiv(expert_rows, block_n), tile_experts.numel())](
+        x, base, high, scales, out, tile_experts, tile_pairs, 0, expert_rows, k_pad, planes[0].row_bytes // 4,
+        _high_row_units(codec, planes), gpr, x.stride(0), out.stride(0), experts,
+        BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block, GATHER=False,
+        GROUPED=True, X_PER_SLOT=x_per_pair, IEEE=x.dtype == torch.float32, num_warps=4)
     return out
 
 
