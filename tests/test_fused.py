@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from ninfer.kernels.fused import add_rms_norm, sigmoid_mul, silu_mul
+from ninfer.kernels.fused import add_rms_norm, moe_combine, sigmoid_mul, silu_mul
 from ninfer.kernels.norm import rms_norm
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
@@ -50,3 +50,15 @@ def test_silu_mul_and_sigmoid_mul_equal_the_torch_ops():
 def test_fused_kernels_refuse_non_row_major_inputs():
     with pytest.raises(ValueError, match="stride 1"):
         silu_mul(torch.randn(8, 4).T)
+
+
+def test_moe_combine_equals_weighted_sum_plus_gated_shared():
+    generator = torch.Generator().manual_seed(2)
+    batch, top_k, width = 3, 8, 2048
+    routed = torch.randn(batch * top_k, width, generator=generator).to(DEVICE, DTYPE)
+    weights = torch.softmax(torch.randn(batch, top_k, generator=generator), -1).to(DEVICE, DTYPE)
+    shared = torch.randn(batch, width, generator=generator).to(DEVICE, DTYPE)
+    logits = torch.randn(batch, 257, generator=generator).to(DEVICE, DTYPE)
+    expected = (routed.float().view(batch, top_k, width) * weights.float()[:, :, None]).sum(1)
+    expected += torch.sigmoid(logits[:, 256:].float()) * shared.float()
+    assert _close(moe_combine(routed, weights, shared, logits[:, 256:]), expected)

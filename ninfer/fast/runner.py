@@ -26,10 +26,9 @@ from ninfer.devices import free_memory
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch
 from ninfer.kernels.conv1d import causal_conv1d
-from ninfer.kernels.fused import add_rms_norm, sigmoid_mul, silu_mul
+from ninfer.kernels.fused import add_rms_norm, moe_combine, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
 from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
-from ninfer.kernels.moe import route_top_k
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.kernels.quant_linear import INTERPRETED, group_pairs
@@ -284,47 +283,45 @@ class FastQwen35:
             return self.linears[prefix + "mlp/down"](silu_mul(self.linears[prefix + "mlp/gate_up"](h)))
         experts = c.experts
         logits = self.linears[prefix + "moe/router_shared_gate"](h)
-        weights, ids = route_top_k(logits[:, :experts], c.top_k)
-        weights = weights.to(h.dtype)
+        # top-k of the logits, softmax over those k: the same weights as softmax → top-k → renormalise
+        top_logits, ids = torch.topk(logits[:, :experts].float(), c.top_k, dim=-1)
+        weights = torch.softmax(top_logits, dim=-1).to(h.dtype)
         shared = self.linears[prefix + "moe/shared_down"](silu_mul(self.linears[prefix + "moe/shared_gate_up"](h)))
-        shared = torch.sigmoid(logits[:, experts:]) * shared
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
-        width = c.expert_width
         if decode:
             flat = ids.reshape(-1).to(torch.int32)
-            activation = silu_mul(routed_gate_up.gather(h, flat, 2 * width, c.top_k))
-            out = routed_down.gather(activation, flat, c.hidden, 1).view(h.shape[0], c.top_k, c.hidden)
-            return (out * weights[:, :, None]).sum(1) + shared
-        return self._moe_prefill(h, weights, ids, routed_gate_up, routed_down) + shared
+            activation = silu_mul(routed_gate_up.gather(h, flat, 2 * c.expert_width, c.top_k))
+            routed = routed_down.gather(activation, flat, c.hidden, 1)
+        else:
+            routed = self._moe_prefill(h, ids, routed_gate_up, routed_down)
+        return moe_combine(routed, weights, shared, logits[:, experts:])
 
-    def _moe_prefill(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, routed_gate_up: PackedLinear,
+    def _moe_prefill(self, h: torch.Tensor, ids: torch.Tensor, routed_gate_up: PackedLinear,
                      routed_down: PackedLinear) -> torch.Tensor:
-        """Routed experts for many tokens. Packed experts: pairs tiled by expert on the device (`group_pairs`) and
-        one grouped launch per matrix. Plain (bf16) experts: tokens grouped by expert with one cuBLAS product per
-        expert hit (the expert counts come to the host once per layer; prefill is never graph-captured)."""
+        """Routed experts for many tokens: `[T·k, H]`, row t·k + j = token t through its j-th expert, unweighted.
+        Packed experts: pairs tiled by expert on the device (`group_pairs`), one grouped launch per matrix.
+        Plain (bf16) experts: one cuBLAS product per expert hit (the expert counts come to the host once per
+        layer; prefill is never graph-captured)."""
         c = self.config
         width = c.expert_width
         pairs = ids.numel()
         if routed_gate_up.packed and routed_down.packed:
             plan = group_pairs(ids, c.experts, MOE_TILE)
             activation = silu_mul(routed_gate_up.grouped(h, plan, pairs, 2 * width, c.top_k))
-            out = routed_down.grouped(activation, plan, pairs, c.hidden, 1).view(h.shape[0], c.top_k, c.hidden)
-            return (out * weights[:, :, None]).sum(1)
+            return routed_down.grouped(activation, plan, pairs, c.hidden, 1)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=c.experts).tolist()
-        out = torch.zeros_like(h)
+        out = torch.empty((pairs, c.hidden), dtype=h.dtype, device=h.device)
         start = 0
         for expert, count in enumerate(counts):
             if not count:
                 continue
             chosen = order[start : start + count]
             start += count
-            tokens = chosen // c.top_k
-            activation = silu_mul(routed_gate_up.block(h[tokens], expert * 2 * width, 2 * width))
-            y = routed_down.block(activation, expert * c.hidden, c.hidden)
-            out.index_add_(0, tokens, y * weights.reshape(-1)[chosen, None])
+            activation = silu_mul(routed_gate_up.block(h[chosen // c.top_k], expert * 2 * width, 2 * width))
+            out[chosen] = routed_down.block(activation, expert * c.hidden, c.hidden)
         return out
 
     # -- prefill ---------------------------------------------------------------------------------------------

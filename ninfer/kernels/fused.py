@@ -7,6 +7,9 @@ several: a decode step of a 64-layer model runs a few hundred of them, so launch
   * `silu_mul(gate_up)`: silu(gate) · up of a `[B, 2I]` gate/up projection (gate first), in its dtype — the SwiGLU
     activation as `swiglu_mlp` computes it (silu rounded to the dtype, then the product rounded).
   * `sigmoid_mul(x, gate)`: x · sigmoid(gate) in x's dtype (the attention output gate).
+  * `moe_combine(routed, weights, shared, shared_logit)`: Σ_j weights[b, j] · routed[b, j] + sigmoid(shared_logit[b])
+    · shared[b], summed in fp32 and rounded once (the reference adds expert by expert in the activation dtype:
+    equal within rounding).
 Rows are independent; shapes `[B, D]` with stride 1 on D (row strides free). Under TRITON_INTERPRET=1 they run
 on the CPU (tested there in fp32; bf16 conversions in the interpreter truncate).
 """
@@ -62,6 +65,22 @@ if triton is not None:
         tl.store(out_ptr + row * D + cols, (x * sig).to(x.dtype), mask=ok)
 
 
+    @triton.jit
+    def _moe_combine_kernel(routed_ptr, weight_ptr, shared_ptr, logit_ptr, out_ptr, D, stride_weight,
+                            stride_shared, stride_logit, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < D
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            w = tl.load(weight_ptr + row * stride_weight + j).to(tl.float32)
+            acc += w * tl.load(routed_ptr + (row * TOP_K + j) * D + cols, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(logit_ptr + row * stride_logit).to(tl.float32)
+        shared = tl.load(shared_ptr + row * stride_shared + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += shared / (1.0 + tl.exp(-g))
+        tl.store(out_ptr + row * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 ELEMENTWISE_BLOCK = 1024
 
 
@@ -106,4 +125,20 @@ def sigmoid_mul(x: Tensor, gate: Tensor) -> Tensor:
     _sigmoid_mul_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](x, gate, out, width, x.stride(0),
                                                                      gate.stride(0), BLOCK=ELEMENTWISE_BLOCK,
                                                                      num_warps=4)
+    return out
+
+
+def moe_combine(routed: Tensor, weights: Tensor, shared: Tensor, shared_logit: Tensor) -> Tensor:
+    """routed `[B·k, D]` (pair b·k + j = token b's j-th expert, contiguous), weights `[B, k]`, shared `[B, D]`,
+    shared_logit `[B, 1]` (a column view is fine) → `[B, D]` in shared's dtype; see the module docstring."""
+    _check("moe_combine", routed, weights, shared)
+    rows, width = shared.shape
+    top_k = weights.shape[1]
+    if routed.shape != (rows * top_k, width) or not routed.is_contiguous():
+        raise ValueError(f"moe_combine: routed must be a contiguous [{rows * top_k}, {width}], got "
+                         f"{list(routed.shape)}")
+    out = torch.empty((rows, width), dtype=shared.dtype, device=shared.device)
+    _moe_combine_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
+        routed, weights, shared, shared_logit, out, width, weights.stride(0), shared.stride(0), shared_logit.stride(0),
+        TOP_K=top_k, BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
     return out
