@@ -177,6 +177,9 @@ def _add_path_flags(parser: argparse.ArgumentParser) -> None:
                         help="auto: the GPU fast path on CUDA when the model suits it (default), else the reference")
     parser.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="bf16",
                         help="fast path KV cache precision (default bf16)")
+    parser.add_argument("--prefill-chunk", type=_positive_int, default=None,
+                        help="prompt tokens per prefill step (default: 4096 for run and bench, 512 for serve, "
+                             "where shorter chunks let running streams go on between them)")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -190,7 +193,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise NinferError(f"{args.model}: no such file")
     llm = LLM(args.model, device=args.device, dtype=dtype, runner=args.runner, kv_dtype=args.kv_dtype,
               max_sequences=max(args.batch_sizes), max_context=max(args.prompt_lengths) + args.new_tokens + 1,
-              progress=not args.json)
+              prefill_chunk=args.prefill_chunk or 4096, progress=not args.json)
     lengths = [min(p, llm.max_context - args.new_tokens - 1) for p in args.prompt_lengths]
     if min(lengths) < 1:
         raise NinferError(f"--new-tokens {args.new_tokens} leaves no room for a prompt in {llm.max_context}")

@@ -20,6 +20,9 @@ SHUTDOWN_GRACE_SECONDS = 10
 log = logging.getLogger("ninfer.serve")
 
 
+SERVE_PREFILL_CHUNK = 512  # prompt tokens per engine step: running streams continue between chunks
+
+
 def model_id_of(path: Path) -> str:
     """The id a served artifact answers to by default: its metadata `name`, else the file name without suffix."""
     from ninfer.artifact.reader import Artifact
@@ -62,11 +65,13 @@ def serve_command(args: argparse.Namespace) -> int:
         dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
         llm = LLM(path, device=args.device, dtype=dtype, max_context=args.max_context, runner=args.runner,
                   kv_dtype=args.kv_dtype, max_sequences=args.max_concurrency,
-                  kv_capacity=args.kv_capacity if isinstance(args.kv_capacity, int) else None)
+                  kv_capacity=args.kv_capacity if isinstance(args.kv_capacity, int) else None,
+                  prefill_chunk=args.prefill_chunk or SERVE_PREFILL_CHUNK)
         kv_capacity = (Engine.plan_kv_capacity(llm, args.max_concurrency) if args.kv_capacity == "auto"
                        else args.kv_capacity)
         engine = Engine(llm, max_concurrency=args.max_concurrency, max_pending=args.max_pending,
-                        queue_timeout=args.queue_timeout, kv_capacity=kv_capacity)
+                        queue_timeout=args.queue_timeout, kv_capacity=kv_capacity,
+                        prefill_chunk=args.prefill_chunk or SERVE_PREFILL_CHUNK)
         config = ServeConfig(model_id=args.model_id or model_id_of(path), api_key=args.api_key,
                              default_max_tokens=args.default_max_tokens, cors=args.cors,
                              request_log=args.request_log_jsonl, default_thinking=not args.no_thinking,
