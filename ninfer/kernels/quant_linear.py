@@ -126,7 +126,7 @@ if triton is not None:
                 live = expert < num_experts  # tiles past the plan's last one hold no pairs
                 wrows = tl.minimum(expert, num_experts - 1).to(tl.int64) * N + safe_rows
                 pairs = tl.load(pairs_ptr + tile * BLOCK_T + tokens)
-                token_ok = (pairs >= 0) & live
+                token_ok = (pairs >= 0) & (tokens < tl.where(live, BLOCK_T, 0))  # tensor-only mask terms
                 x_rows = tl.where(token_ok, pairs // X_PER_SLOT, 0).to(tl.int64)
                 out_rows = tl.where(token_ok, pairs, 0).to(tl.int64)
                 k_end = tl.where(live, k_pad, 0)
