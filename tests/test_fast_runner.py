@@ -161,3 +161,22 @@ def test_engine_batches_decode_steps_on_the_fast_runner(dense):
     assert max(steps) == 3  # the three sequences decoded in one batched step
     gc.collect()
     assert len(fast.cache.free_slots) == free
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "q4", "bf16"])
+def test_every_recipe_runs_on_the_fast_path(tmp_path, monkeypatch, recipe):
+    """fp8 rows (FP8 GEMV, decoded prefill rows), the q4 mix (q4/q5/q6/q8 GEMV and dequantized prefill) and bf16
+    (cuBLAS) on a small model with attention heads the fast path takes (head_dim 64)."""
+    from ninfer.convert import synth
+
+    config = synth._text_config(layers=4, hidden=128, heads=4, kv_heads=2, head_dim=64, k_heads=2, v_heads=4,
+                                k_dim=32, v_dim=32, vocab=320, tied=False, intermediate=192)
+    monkeypatch.setitem(synth.PRESETS, "test-hd64", config)
+    path = tmp_path / f"{recipe}.ninfer"
+    synth.synth_artifact("test-hd64", recipe, path, quiet=True)
+    reference, fast = _models(path, max_sequences=1)
+    prompt = torch.tensor(PROMPT) % 320  # 23 tokens: the prefill route of every matrix
+    ref_state, fast_state = reference.new_state(32), fast.new_state(32)
+    assert _relative(fast.forward(prompt, fast_state), reference.forward(prompt, ref_state)) < FP32_TOLERANCE
+    token = torch.tensor([7])
+    assert _relative(fast.forward(token, fast_state), reference.forward(token, ref_state)) < FP32_TOLERANCE

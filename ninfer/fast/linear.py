@@ -2,9 +2,10 @@
 
 Routes (chosen by the format and the number of tokens T):
   * groupwise (q4/q5/q6/q8), T ≤ 16: the Triton GEMV, which reads the packed planes once (decode, verify);
-  * groupwise, T > 16: dequantize into a shared bf16 scratch buffer, then cuBLAS (prefill: the matmul dominates);
-  * bf16: cuBLAS directly. fp32 and fp8 rows are converted / decoded to the activation dtype at load (no packed
-    kernel for fp8 yet: those artifacts cost bf16 memory and bandwidth on this path).
+  * groupwise, T > 16: dequantize into a shared scratch buffer, then cuBLAS (prefill: the matmul dominates);
+    stacked MoE experts go through the grouped kernel in one launch;
+  * fp8 rows: the FP8 GEMV for T ≤ 16, rows decoded into the scratch buffer then cuBLAS for T > 16;
+  * bf16: cuBLAS directly (fp32 artifacts are converted to the activation dtype at load).
 The output has x's dtype unless asked otherwise; MoE experts go through `gather`.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
+from ninfer.kernels.fp8_linear import fp8_linear_gemv, fp8_rows
 from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, dequantize, quant_linear_gemv, quant_linear_grouped
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
@@ -40,7 +43,8 @@ class PackedLinear:
         self.shape = (int(shape[0]), int(shape[1]))
         self.format = fmt
         self.scratch = scratch
-        self.packed = isinstance(codec_for(fmt), GroupwiseCodec)
+        self.groupwise = isinstance(codec_for(fmt), GroupwiseCodec)
+        self.packed = self.groupwise or fmt == FP8_FORMAT
         if self.packed:
             self.data = data
             self.weight = None
@@ -59,15 +63,32 @@ class PackedLinear:
         if not self.packed:
             return F.linear(x.to(self.weight.dtype), self.weight).to(out_dtype)
         if x.shape[0] <= MAX_GEMV_TOKENS:
+            if not self.groupwise:
+                return fp8_linear_gemv(x, self.data, self.shape, out_dtype=out_dtype)
             return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype)
-        n, k = self.shape
-        weight = dequantize(self.data, self.shape, self.format, self.scratch.dtype, out=self.scratch.get(n * k))
+        weight = self._decoded(0, self.shape[0])
         return F.linear(x.to(weight.dtype), weight).to(out_dtype)
+
+    def _decoded(self, first_row: int, rows: int) -> torch.Tensor:
+        """W[first_row : first_row + rows] in the activation dtype, in the scratch buffer."""
+        k = self.shape[1]
+        scratch = self.scratch.get(rows * k)
+        if not self.groupwise:
+            index = torch.arange(first_row, first_row + rows, device=self.data.device)
+            weight = scratch[: rows * k].view(rows, k)
+            weight.copy_(fp8_rows(self.data, self.shape, index, self.scratch.dtype))
+            return weight
+        index = None
+        if (first_row, rows) != (0, self.shape[0]):
+            index = torch.arange(first_row, first_row + rows, device=self.data.device, dtype=torch.int32)
+        return dequantize(self.data, self.shape, self.format, self.scratch.dtype, out=scratch, rows=index)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of W in the activation dtype `[R, K]` (an embedding lookup)."""
         if not self.packed:
             return self.weight[index]
+        if not self.groupwise:
+            return fp8_rows(self.data, self.shape, index, self.scratch.dtype)
         return dequantize(self.data, self.shape, self.format, self.scratch.dtype, rows=index)
 
     def gather(self, x: torch.Tensor, experts: torch.Tensor, expert_rows: int, x_per_slot: int) -> torch.Tensor:
@@ -76,6 +97,9 @@ class PackedLinear:
             stacked = self.weight.view(-1, expert_rows, self.shape[1])[experts]  # [S, rows, K]
             inputs = x.repeat_interleave(x_per_slot, dim=0) if x_per_slot > 1 else x
             return torch.bmm(stacked, inputs.to(stacked.dtype)[:, :, None])[:, :, 0].to(x.dtype)
+        if not self.groupwise:
+            return fp8_linear_gemv(x, self.data, self.shape, out_dtype=x.dtype, experts=experts,
+                                   expert_rows=expert_rows, x_per_slot=x_per_slot)
         return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=x.dtype, experts=experts,
                                  expert_rows=expert_rows, x_per_slot=x_per_slot)
 
@@ -90,8 +114,5 @@ class PackedLinear:
         """x · W[first_row : first_row + rows]ᵀ for many tokens (one expert's block in a prefill)."""
         if not self.packed:
             return F.linear(x, self.weight[first_row : first_row + rows])
-        index = torch.arange(first_row, first_row + rows, device=x.device, dtype=torch.int32)
-        k = self.shape[1]
-        weight = dequantize(self.data, self.shape, self.format, self.scratch.dtype, out=self.scratch.get(rows * k),
-                            rows=index)
+        weight = self._decoded(first_row, rows)
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)

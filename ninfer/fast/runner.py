@@ -26,6 +26,7 @@ from ninfer.devices import free_memory
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch
 from ninfer.kernels.conv1d import causal_conv1d
+from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
 from ninfer.kernels.fused import add_rms_norm, moe_combine, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
 from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
@@ -49,7 +50,7 @@ MAX_GATHERED_PAIRS = 128  # a prefill chunk of up to this many (token, expert) p
 
 def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
     """Device bytes of an object on this path: packed formats as stored, the rest as bf16 matrices / as is."""
-    if isinstance(codec_for(fmt), GroupwiseCodec) or len(shape) != 2:
+    if isinstance(codec_for(fmt), GroupwiseCodec) or fmt == FP8_FORMAT or len(shape) != 2:
         return stored
     return math.prod(shape) * 2
 
@@ -300,13 +301,13 @@ class FastQwen35:
     def _moe_prefill(self, h: torch.Tensor, ids: torch.Tensor, routed_gate_up: PackedLinear,
                      routed_down: PackedLinear) -> torch.Tensor:
         """Routed experts for many tokens: `[T·k, H]`, row t·k + j = token t through its j-th expert, unweighted.
-        Packed experts: pairs tiled by expert on the device (`group_pairs`), one grouped launch per matrix.
-        Plain (bf16) experts: one cuBLAS product per expert hit (the expert counts come to the host once per
+        Groupwise experts: pairs tiled by expert on the device (`group_pairs`), one grouped launch per matrix.
+        Other formats (bf16, fp8 rows): one cuBLAS product per expert hit (the expert counts come to the host once per
         layer; prefill is never graph-captured)."""
         c = self.config
         width = c.expert_width
         pairs = ids.numel()
-        if routed_gate_up.packed and routed_down.packed:
+        if routed_gate_up.groupwise and routed_down.groupwise:
             plan = group_pairs(ids, c.experts, MOE_TILE)
             activation = silu_mul(routed_gate_up.grouped(h, plan, pairs, 2 * width, c.top_k))
             return routed_down.grouped(activation, plan, pairs, c.hidden, 1)

@@ -1,0 +1,124 @@
+"""y = x · Wᵀ with W stored as FP8 rows (`fp8_e4m3fn_row_bf16`, layout `row_scale_v1`: N·K E4M3FN codes row-major,
+then N bf16 row scales at the next 256-byte boundary; docs/artifact-format.md).
+
+Contract: x `[T, K]` (fp32 / bf16 / fp16), `data` the object's bytes (1-D uint8 on x's device), `shape` = (N, K).
+y[t, n] = scale[n] · Σ_k x[t, k] · e4m3(code[n, k]), accumulated in fp32.
+
+`fp8_linear_gemv` (T ≤ 16: decode, verify; with `experts`, the MoE gather of `quant_linear_gemv`): each program
+owns BLOCK_N rows and walks K in BLOCK_K-byte tiles. The E4M3 → fp32 step is integer ops on the code's bits
+(sign, exponent rebiased from 7 to 127, mantissa moved up; subnormals as m · 2⁻⁹), exact and the same on every
+GPU — no reliance on hardware FP8 conversion (sm_89+ only). T = 1 multiplies in fp32 and scales the row sum;
+T > 1 rounds the scaled weights to x's dtype and meets x through `tl.dot`.
+`fp8_rows`: rows of W decoded in torch (embedding lookups, dequantized prefill blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.kernels.quant_linear import INTERPRETED
+from ninfer.quant import codec_for
+
+try:  # Triton is optional: the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+FORMAT = "fp8_e4m3fn_row_bf16"
+MAX_TOKENS = 16
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e4m3_to_fp32(bits):
+        """E4M3FN bits (int32 in 0..255, never a NaN code) → the exact fp32 value."""
+        sign = (bits & 0x80) << 24
+        exponent = (bits >> 3) & 0xF
+        mantissa = bits & 0x7
+        normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        subnormal = mantissa.to(tl.float32) * 0.001953125  # m · 2^-9
+        subnormal = tl.where(sign != 0, -subnormal, subnormal)
+        return tl.where(exponent == 0, subnormal, normal)
+
+    @triton.jit
+    def _fp8_gemv_kernel(x_ptr, code_ptr, scale_ptr, out_ptr, expert_ptr, T, N, K, stride_x, stride_out,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GATHER: tl.constexpr,
+                         X_PER_SLOT: tl.constexpr, IEEE: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        if GATHER:
+            slot = tl.program_id(1)
+            wrows = tl.load(expert_ptr + slot).to(tl.int64) * N + safe_rows
+            x_base = x_ptr + (slot // X_PER_SLOT) * stride_x
+            out_base = out_ptr + slot * stride_out
+        else:
+            wrows = safe_rows
+            x_base = x_ptr
+            out_base = out_ptr
+        lanes = tl.arange(0, BLOCK_K)
+        scale = tl.load(scale_ptr + wrows).to(tl.float32)
+        if BLOCK_T == 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K):
+                k_ok = (k0 + lanes) < K
+                bits = tl.load(code_ptr + wrows[:, None] * K + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0)
+                x = tl.load(x_base + k0 + lanes, mask=k_ok, other=0.0).to(tl.float32)
+                acc += _e4m3_to_fp32(bits.to(tl.int32)) * x[None, :]
+            tl.store(out_base + rows, tl.sum(acc, axis=1) * scale, mask=row_ok)
+        else:
+            tokens = tl.arange(0, BLOCK_T)
+            token_ok = tokens < T
+            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            for k0 in tl.range(0, K, BLOCK_K):
+                k_ok = (k0 + lanes) < K
+                bits = tl.load(code_ptr + wrows[:, None] * K + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0)
+                x = tl.load(x_base + tokens[None, :] * stride_x + (k0 + lanes)[:, None],
+                            mask=k_ok[:, None] & token_ok[None, :], other=0.0)
+                w = (_e4m3_to_fp32(bits.to(tl.int32)) * scale[:, None]).to(x.dtype)
+                if IEEE:
+                    acc += tl.dot(w, x, input_precision="ieee")
+                else:
+                    acc += tl.dot(w, x)
+            out = out_base + tokens[None, :] * stride_out + rows[:, None]
+            tl.store(out, acc, mask=row_ok[:, None] & token_ok[None, :])
+
+
+def _split(data: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = shape
+    offset = codec_for(FORMAT).planes(shape)[1].offset
+    return data[: n * k], data[offset : offset + 2 * n].view(torch.bfloat16)
+
+
+def fp8_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], out_dtype: torch.dtype | None = None,
+                    experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1) -> torch.Tensor:
+    """`[T, N]` (or, with `experts`, `[S, expert_rows]` as in `quant_linear_gemv`) in `out_dtype` (default fp32)."""
+    if triton is None:
+        raise RuntimeError("the Triton FP8 GEMV needs the triton package")
+    tokens = x.shape[0]
+    if experts is None and not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"the FP8 GEMV takes 1..{MAX_TOKENS} tokens, not {tokens}")
+    codes, scales = _split(data, shape)
+    n, k = shape if experts is None else (expert_rows, shape[1])
+    if x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"fp8_linear_gemv: x {list(x.shape)} (stride 1 last) does not fit W {list(shape)}")
+    slots = tokens if experts is None else experts.numel()
+    out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=x.device)
+    block_t = 1 if tokens == 1 or experts is not None else 16
+    block_n = 256 if INTERPRETED else 64 if block_t > 1 else 8
+    block_k = 128 if block_t > 1 else 512
+    grid = (triton.cdiv(n, block_n), slots if experts is not None else 1)
+    _fp8_gemv_kernel[grid](x, codes, scales, out, experts if experts is not None else codes, tokens, n, k,
+                           x.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
+                           GATHER=experts is not None, X_PER_SLOT=x_per_slot, IEEE=x.dtype == torch.float32,
+                           num_warps=4)
+    return out
+
+
+def fp8_rows(data: torch.Tensor, shape: tuple[int, int], rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `rows` of W decoded (code × row scale in fp32, rounded once to `dtype`) `[R, K]`."""
+    codes, scales = _split(data, shape)
+    picked = codes.view(shape)[rows].view(torch.float8_e4m3fn).float()
+    return (picked * scales[rows].float()[:, None]).to(dtype)
