@@ -174,3 +174,51 @@ def test_kernels_refuse_inconsistent_inputs():
         conv1d_update(x, weight, torch.zeros(3, 8, 3, dtype=torch.bfloat16), slots)
     with pytest.raises(ValueError, match="weight must be"):
         conv1d_update(x, torch.randn(9, 4), torch.zeros(3, 8, 3), slots)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 5])
+def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens):
+    """T tokens per sequence in one call (speculative verify) equal T single-token steps, and the snapshot slots
+    hold the conv window and recurrent state after each token; the running slot holds the last ones."""
+    d, slots, pool = TINY, [4, 1], 16
+    generator = torch.Generator().manual_seed(tokens)
+    batch = len(slots)
+    x = torch.randn(batch * tokens, d.channels, generator=generator)
+    weight = torch.randn(d.channels, d.conv_kernel, generator=generator) * 0.5
+    z = torch.randn(batch * tokens, d.v_heads * d.v_dim, generator=generator)
+    a_b = torch.randn(batch * tokens, 2 * d.v_heads, generator=generator)
+    a_log, dt_bias = torch.randn(d.v_heads, generator=generator) * 0.3, torch.randn(d.v_heads, generator=generator)
+    norm_weight = 1 + 0.1 * torch.randn(d.v_dim, generator=generator)
+    conv = torch.randn(pool, d.channels, d.conv_kernel - 1, generator=generator)
+    state = torch.randn(pool, d.v_heads, d.k_dim, d.v_dim, generator=generator) * 0.1
+    snapshots = torch.tensor([[6 + t for t in range(tokens)], [11 + t for t in range(tokens)]])
+    ref_conv, ref_state = conv.clone(), state.clone()
+    expected_mixed, expected_out, expected_conv, expected_state = [], [], {}, {}
+    for b, slot in enumerate(slots):
+        for t in range(tokens):
+            row = b * tokens + t
+            mixed = reference_conv(x[row : row + 1], weight, ref_conv, [slot])
+            out = reference_gdn(mixed, z[row : row + 1], a_b[row : row + 1], a_log, dt_bias, norm_weight, ref_state,
+                                [slot], d)
+            expected_mixed.append(mixed)
+            expected_out.append(out)
+            expected_conv[int(snapshots[b, t])] = ref_conv[slot].clone()
+            expected_state[int(snapshots[b, t])] = ref_state[slot].clone()
+    device = _device()
+    x, weight, z, a_b, a_log, dt_bias, norm_weight, conv, state, snapshots = (
+        t.to(device) for t in (x, weight, z, a_b, a_log, dt_bias, norm_weight, conv, state, snapshots))
+    slot_tensor = torch.tensor(slots, device=device)
+    mixed = conv1d_update(x, weight, conv, slot_tensor, tokens=tokens, snapshot_slots=snapshots)
+    out = gated_delta_decode(mixed, z, a_b, a_log, dt_bias, norm_weight, state, slot_tensor, d.k_heads, d.k_dim,
+                             d.v_heads, d.v_dim, EPS, tokens=tokens, snapshot_slots=snapshots)
+    mixed, out, conv, state = mixed.cpu(), out.cpu(), conv.cpu(), state.cpu()
+    torch.testing.assert_close(mixed, torch.cat(expected_mixed), atol=FP32_OUT.atol, rtol=FP32_OUT.rtol)
+    torch.testing.assert_close(out, torch.cat(expected_out), atol=FP32_OUT.atol, rtol=FP32_OUT.rtol)
+    for slot, window in expected_conv.items():
+        assert torch.equal(conv[slot], window), f"conv snapshot slot {slot}"
+        torch.testing.assert_close(state[slot], expected_state[slot], atol=FP32_STATE.atol, rtol=FP32_STATE.rtol)
+    for slot in slots:
+        assert torch.equal(conv[slot], ref_conv[slot])
+        torch.testing.assert_close(state[slot], ref_state[slot], atol=FP32_STATE.atol, rtol=FP32_STATE.rtol)
+    untouched = [s for s in range(pool) if s not in slots and s not in expected_conv]
+    assert torch.equal(conv[untouched], ref_conv[untouched]) and torch.equal(state[untouched], ref_state[untouched])

@@ -1,9 +1,15 @@
-"""The Gated DeltaNet decode step for a batch: one new token per sequence, each sequence's state in a pool slot.
+"""The Gated DeltaNet decode step for a batch: T = 1..16 new tokens per sequence (T > 1: speculative verify), each
+sequence's state in a pool slot.
 
-Two Triton kernels, each the fused one-token form of the torch reference path of `Qwen35Model.gated_deltanet`:
-  * `conv1d_update`: `causal_conv1d` for T = 1 on B rows, reading and shifting each row's conv window in place;
-  * `gated_delta_decode`: everything after the conv — q/k L2 norm, the gates, one step of the gated delta rule
-    on the row's recurrent state (updated in place) and the gated RMSNorm of the output.
+Two Triton kernels, each the fused few-token form of the torch reference path of `Qwen35Model.gated_deltanet`:
+  * `conv1d_update`: `causal_conv1d` for T tokens of each of B sequences, reading and shifting each sequence's
+    conv window in place;
+  * `gated_delta_decode`: everything after the conv — q/k L2 norm, the gates, T steps of the gated delta rule
+    on the sequence's recurrent state (kept in registers between tokens, written back at the end) and the gated
+    RMSNorm of each output.
+With `snapshot_slots` `[B, T]`, both also write the state after every token t into pool slot
+snapshot_slots[b, t]: a verify step that accepts j of T draft tokens resumes from snapshot j - 1 (the recurrent
+state cannot be cut back).
 Rows address the pools through `slots` (a device tensor, never read on the host) and nothing but the output is
 allocated, so both can be captured in a CUDA graph (after a first, compiling call). Slots must be distinct
 within a call: two rows on one slot race. Under TRITON_INTERPRET=1 they run on the CPU (fp32 tested there).
@@ -27,34 +33,43 @@ CONV_BLOCK_C = 256  # channels per conv program
 if triton is not None:
 
     @triton.jit
-    def _conv1d_update_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, out_ptr, C,
+    def _conv1d_update_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, T,
                               stride_x, stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out,
-                              K: tl.constexpr, BLOCK_C: tl.constexpr):
-        row = tl.program_id(0)
+                              K: tl.constexpr, BLOCK_C: tl.constexpr, SNAPSHOTS: tl.constexpr):
+        sequence = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < C
-        slot = tl.load(slot_ptr + row).to(tl.int64)
+        slot = tl.load(slot_ptr + sequence).to(tl.int64)
         window = state_ptr + slot * stride_s_slot + cols * stride_s_c  # column j: the input j - (K-1) steps back
         weights = weight_ptr + cols * stride_w_c
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-        acc = tl.load(weights + (K - 1) * stride_w_k, mask=ok, other=0.0).to(tl.float32) * x.to(tl.float32)
-        for j in tl.static_range(K - 1):
-            past = tl.load(window + j * stride_s_k, mask=ok, other=0.0)
-            acc += tl.load(weights + j * stride_w_k, mask=ok, other=0.0).to(tl.float32) * past.to(tl.float32)
-            if j > 0:  # shift left: column j moves to j - 1 (column j - 1 was read in the previous step)
-                tl.store(window + (j - 1) * stride_s_k, past, mask=ok)
-        tl.store(window + (K - 2) * stride_s_k, x, mask=ok)
-        out = acc * tl.sigmoid(acc)
-        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+        for t in range(T):
+            row = sequence * T + t
+            x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+            acc = tl.load(weights + (K - 1) * stride_w_k, mask=ok, other=0.0).to(tl.float32) * x.to(tl.float32)
+            for j in tl.static_range(K - 1):
+                past = tl.load(window + j * stride_s_k, mask=ok, other=0.0)
+                acc += tl.load(weights + j * stride_w_k, mask=ok, other=0.0).to(tl.float32) * past.to(tl.float32)
+                if j > 0:  # shift left: column j moves to j - 1 (column j - 1 was read in the previous step)
+                    tl.store(window + (j - 1) * stride_s_k, past, mask=ok)
+                    if SNAPSHOTS:
+                        snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
+                        tl.store(state_ptr + snapshot * stride_s_slot + cols * stride_s_c + (j - 1) * stride_s_k,
+                                 past, mask=ok)
+            tl.store(window + (K - 2) * stride_s_k, x, mask=ok)
+            if SNAPSHOTS:
+                snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
+                tl.store(state_ptr + snapshot * stride_s_slot + cols * stride_s_c + (K - 2) * stride_s_k, x, mask=ok)
+            out = acc * tl.sigmoid(acc)
+            tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _gated_delta_decode_kernel(mixed_ptr, z_ptr, a_b_ptr, a_log_ptr, dt_bias_ptr, norm_weight_ptr, state_ptr,
-                                   slot_ptr, out_ptr, stride_mixed, stride_z, stride_a_b, stride_out,
+                                   slot_ptr, snapshot_ptr, out_ptr, T, stride_mixed, stride_z, stride_a_b, stride_out,
                                    stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, eps,
                                    K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                                   ROUND_NORM_PRODUCT: tl.constexpr, L2_EPS: tl.constexpr):
-        row = tl.program_id(0)
+                                   ROUND_NORM_PRODUCT: tl.constexpr, L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr):
+        sequence = tl.program_id(0)
         head = tl.program_id(1)  # value head; it reads key head head // (V_HEADS // K_HEADS)
         key_head = head // (V_HEADS // K_HEADS)
         dtype = out_ptr.dtype.element_ty
@@ -63,39 +78,48 @@ if triton is not None:
         vs = tl.arange(0, BLOCK_V)
         v_ok = vs < V_DIM
 
-        mixed = mixed_ptr + row * stride_mixed
-        q = tl.load(mixed + key_head * K_DIM + ks, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(mixed + (K_HEADS + key_head) * K_DIM + ks, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(mixed + 2 * K_HEADS * K_DIM + head * V_DIM + vs, mask=v_ok, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + L2_EPS) * q_scale
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
-
-        a = tl.load(a_b_ptr + row * stride_a_b + head).to(tl.float32)
-        b = tl.load(a_b_ptr + row * stride_a_b + V_HEADS + head)
-        beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)  # rounded like the reference's sigmoid
-        x = a + tl.load(dt_bias_ptr + head).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))  # torch's threshold
-        g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
-
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        tile = (state_ptr + slot * stride_s_slot + head * stride_s_head
-                + ks[:, None] * stride_s_k + vs[None, :] * stride_s_v)
+        a_log = tl.load(a_log_ptr + head).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+        norm_weight = tl.load(norm_weight_ptr + vs, mask=v_ok, other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + sequence).to(tl.int64)
+        head_tile = head * stride_s_head + ks[:, None] * stride_s_k + vs[None, :] * stride_s_v
+        tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
-        S = tl.load(tile, mask=tile_ok, other=0.0) * tl.exp(g)
-        error = v - tl.sum(k[:, None] * S, 0)
-        S += k[:, None] * (error * beta)[None, :]
-        tl.store(tile, S, mask=tile_ok)
-        o = tl.sum(q[:, None] * S, 0).to(dtype).to(tl.float32)
+        S = tl.load(tile, mask=tile_ok, other=0.0)
+        for t in range(T):
+            row = sequence * T + t
+            mixed = mixed_ptr + row * stride_mixed
+            q = tl.load(mixed + key_head * K_DIM + ks, mask=k_ok, other=0.0).to(tl.float32)
+            k = tl.load(mixed + (K_HEADS + key_head) * K_DIM + ks, mask=k_ok, other=0.0).to(tl.float32)
+            v = tl.load(mixed + 2 * K_HEADS * K_DIM + head * V_DIM + vs, mask=v_ok, other=0.0).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + L2_EPS) * q_scale
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
 
-        # rms_norm_gated with its casts: x̂ rounded to the activation dtype, times the weight (rounded when torch
-        # would multiply in the activation dtype), times silu(z) in fp32, rounded once more
-        x_hat = (o * tl.rsqrt(tl.sum(o * o, 0) / V_DIM + eps)).to(dtype).to(tl.float32)
-        y = tl.load(norm_weight_ptr + vs, mask=v_ok, other=0.0).to(tl.float32) * x_hat
-        if ROUND_NORM_PRODUCT:
-            y = y.to(dtype).to(tl.float32)
-        z = tl.load(z_ptr + row * stride_z + head * V_DIM + vs, mask=v_ok, other=0.0).to(tl.float32)
-        y = y * (z * tl.sigmoid(z))
-        tl.store(out_ptr + row * stride_out + head * V_DIM + vs, y.to(dtype), mask=v_ok)
+            a = tl.load(a_b_ptr + row * stride_a_b + head).to(tl.float32)
+            b = tl.load(a_b_ptr + row * stride_a_b + V_HEADS + head)
+            beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)  # rounded like the reference's sigmoid
+            x = a + dt_bias
+            softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))  # torch's cut
+            g = -tl.exp(a_log) * softplus
+
+            S = S * tl.exp(g)
+            error = v - tl.sum(k[:, None] * S, 0)
+            S += k[:, None] * (error * beta)[None, :]
+            if SNAPSHOTS:
+                snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
+                tl.store(state_ptr + snapshot * stride_s_slot + head_tile, S, mask=tile_ok)
+            o = tl.sum(q[:, None] * S, 0).to(dtype).to(tl.float32)
+
+            # rms_norm_gated with its casts: x̂ rounded to the activation dtype, times the weight (rounded when
+            # torch would multiply in the activation dtype), times silu(z) in fp32, rounded once more
+            x_hat = (o * tl.rsqrt(tl.sum(o * o, 0) / V_DIM + eps)).to(dtype).to(tl.float32)
+            y = norm_weight * x_hat
+            if ROUND_NORM_PRODUCT:
+                y = y.to(dtype).to(tl.float32)
+            z = tl.load(z_ptr + row * stride_z + head * V_DIM + vs, mask=v_ok, other=0.0).to(tl.float32)
+            y = y * (z * tl.sigmoid(z))
+            tl.store(out_ptr + row * stride_out + head * V_DIM + vs, y.to(dtype), mask=v_ok)
+        tl.store(tile, S, mask=tile_ok)
 
 
 def _require_triton(name: str) -> None:
@@ -115,26 +139,41 @@ def _check_slots(name: str, slots: Tensor, rows: int, device: torch.device) -> N
                          f"{list(slots.shape)} on {slots.device}")
 
 
-def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor) -> Tensor:
-    """`silu(depthwise causal conv)` of one new token per row, each row continuing its own pooled window.
+def _check_snapshots(name: str, snapshots: Tensor | None, sequences: int, tokens: int, device: torch.device) -> None:
+    if snapshots is None:
+        return
+    if snapshots.shape != (sequences, tokens) or snapshots.dtype not in (torch.int32, torch.int64) or \
+            snapshots.device != device or not snapshots.is_contiguous():
+        raise ValueError(f"{name}: snapshot_slots must be contiguous int32/int64 [{sequences}, {tokens}] on {device}, "
+                         f"got {snapshots.dtype} {list(snapshots.shape)} on {snapshots.device}")
 
-    Math: for each row b with window `u = conv_state[slots[b]]` (`[C, K-1]`, oldest input first),
-    `out[b, c] = silu(Σ_{j<K-1} w[c, j] · u[c, j] + w[c, K-1] · x[b, c])` in fp32, rounded once to x's dtype;
-    equals `causal_conv1d(x[b:b+1], weight, u)[0]` (which computes in the weight's dtype: equal in fp32,
+
+def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, tokens: int = 1,
+                  snapshot_slots: Tensor | None = None) -> Tensor:
+    """`silu(depthwise causal conv)` of `tokens` new tokens per sequence, each continuing its own pooled window.
+
+    Math: rows b·T … b·T + T − 1 of x are sequence b's tokens in order; with its window `u = conv_state[slots[b]]`
+    (`[C, K-1]`, oldest input first) extended by each token in turn,
+    `out[row, c] = silu(Σ_{j<K-1} w[c, j] · u[c, j] + w[c, K-1] · x[row, c])` in fp32, rounded once to x's dtype;
+    equals `causal_conv1d(x[b·T : b·T + T], weight, u)` (which computes in the weight's dtype: equal in fp32,
     within an ulp of the activation dtype otherwise).
-    Effect: `conv_state[slots[b]]` becomes the new window `[u[:, 1:] | x[b]]` (exact copies, no rounding).
+    Effect: `conv_state[slots[b]]` becomes the window after the last token (exact copies, no rounding); with
+    `snapshot_slots` `[B, T]`, the window after token t is also written to conv_state[snapshot_slots[b, t]].
 
-    Shapes: x `[B, C]` fp32/bf16/fp16 with unit column stride (a row-slice view is fine); weight `[C, K]`, K ≥ 2,
+    Shapes: x `[B·T, C]` fp32/bf16/fp16 with unit column stride (a row-slice view is fine); weight `[C, K]`, K ≥ 2,
     any float dtype; conv_state `[S, C, K-1]` in x's dtype (any strides); slots `[B]` int32/int64 on x's
-    device, distinct, each in [0, S) (not checked: no host sync). Returns out `[B, C]` in x's dtype.
+    device; slots and snapshot slots all distinct, in [0, S) (not checked: no host sync). Returns `[B·T, C]`.
     """
     _require_triton("conv1d_update")
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"conv1d_update: x must be [B, C] and weight [C, K], got {list(x.shape)}, "
                          f"{list(weight.shape)}")
-    B, C = x.shape
+    rows, C = x.shape
+    if tokens < 1 or rows % tokens:
+        raise ValueError(f"conv1d_update: {rows} rows are not whole sequences of {tokens} tokens")
+    B = rows // tokens
     K = weight.shape[1]
-    _check_rows("conv1d_update", "x", x, B, C)
+    _check_rows("conv1d_update", "x", x, rows, C)
     if weight.shape[0] != C or K < 2:
         raise ValueError(f"conv1d_update: weight must be [{C}, K ≥ 2], got {list(weight.shape)}")
     if conv_state.dim() != 3 or conv_state.shape[1:] != (C, K - 1) or conv_state.dtype != x.dtype:
@@ -144,20 +183,22 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor) 
         raise ValueError(f"conv1d_update: x, weight and conv_state must share a device, got {x.device}, "
                          f"{weight.device}, {conv_state.device}")
     _check_slots("conv1d_update", slots, B, x.device)
-    out = torch.empty((B, C), dtype=x.dtype, device=x.device)
+    _check_snapshots("conv1d_update", snapshot_slots, B, tokens, x.device)
+    out = torch.empty((rows, C), dtype=x.dtype, device=x.device)
     if B == 0:
         return out
     _conv1d_update_kernel[(B, triton.cdiv(C, CONV_BLOCK_C))](
-        x, weight, conv_state, slots, out, C, x.stride(0), weight.stride(0), weight.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), out.stride(0),
-        K=K, BLOCK_C=CONV_BLOCK_C)
+        x, weight, conv_state, slots, snapshot_slots if snapshot_slots is not None else slots, out, C, tokens,
+        x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0), conv_state.stride(1),
+        conv_state.stride(2), out.stride(0), K=K, BLOCK_C=CONV_BLOCK_C, SNAPSHOTS=snapshot_slots is not None)
     return out
 
 
 def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_bias: Tensor, norm_weight: Tensor,
                        state: Tensor, slots: Tensor, k_heads: int, k_dim: int, v_heads: int, v_dim: int,
-                       eps: float) -> Tensor:
-    """One Gated DeltaNet token per row after the conv: gates, one delta-rule step on the pooled state, gated norm.
+                       eps: float, tokens: int = 1, snapshot_slots: Tensor | None = None) -> Tensor:
+    """`tokens` Gated DeltaNet tokens per sequence after the conv: gates, delta-rule steps on the pooled state,
+    gated norm. Rows b·T … b·T + T − 1 are sequence b's tokens in order; each row is one step below.
 
     Math, per row b and value head j (key head i = j // (v_heads // k_heads)), as the reference path of
     `Qwen35Model.gated_deltanet` for T = 1, everything fp32 unless said:
@@ -165,24 +206,28 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
         beta = sigmoid(b_j) rounded to a_b's dtype;  g = −exp(a_log_j) · softplus(a_j + dt_bias_j)
         S = S · exp(g);  S += k ⊗ ((v_j − kᵀS) · beta);  o = qᵀS             (S = state[slots[b], j])
         out_j = rms_norm_gated(o rounded to mixed's dtype, z_j, norm_weight, eps)   (its casts included)
-    Effect: `state[slots[b], j]` holds the new S (fp32); nothing else in the pool is touched.
+    Effect: `state[slots[b], j]` holds S after the sequence's last token (fp32); with `snapshot_slots` `[B, T]`,
+    S after token t is also written to state[snapshot_slots[b, t], j]; nothing else in the pool is touched.
 
-    Shapes: mixed `[B, 2·k_heads·k_dim + v_heads·v_dim]` (q | k | v, the conv output) fp32/bf16/fp16; z
-    `[B, v_heads·v_dim]`, a_b `[B, 2·v_heads]` (a | b) — each with unit column stride, row views fine; a_log,
+    Shapes: mixed `[B·T, 2·k_heads·k_dim + v_heads·v_dim]` (q | k | v, the conv output) fp32/bf16/fp16; z
+    `[B·T, v_heads·v_dim]`, a_b `[B·T, 2·v_heads]` (a | b) — each with unit column stride, row views fine; a_log,
     dt_bias `[v_heads]`; norm_weight `[v_dim]`; state `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots `[B]`
-    int32/int64, distinct, in [0, S) (not checked: no host sync); v_heads a multiple of k_heads. All on one
-    device. Returns out `[B, v_heads·v_dim]` in mixed's dtype.
+    int32/int64; slots and snapshot slots all distinct, in [0, S) (not checked: no host sync); v_heads a multiple
+    of k_heads. All on one device. Returns out `[B·T, v_heads·v_dim]` in mixed's dtype.
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"
     if mixed.dim() != 2:
         raise ValueError(f"{name}: mixed must be [B, channels], got {list(mixed.shape)}")
-    B = mixed.shape[0]
+    rows = mixed.shape[0]
+    if tokens < 1 or rows % tokens:
+        raise ValueError(f"{name}: {rows} rows are not whole sequences of {tokens} tokens")
+    B = rows // tokens
     if k_heads < 1 or v_heads % k_heads != 0:
         raise ValueError(f"{name}: v_heads ({v_heads}) must be a multiple of k_heads ({k_heads})")
-    _check_rows(name, "mixed", mixed, B, 2 * k_heads * k_dim + v_heads * v_dim)
-    _check_rows(name, "z", z, B, v_heads * v_dim)
-    _check_rows(name, "a_b", a_b, B, 2 * v_heads)
+    _check_rows(name, "mixed", mixed, rows, 2 * k_heads * k_dim + v_heads * v_dim)
+    _check_rows(name, "z", z, rows, v_heads * v_dim)
+    _check_rows(name, "a_b", a_b, rows, 2 * v_heads)
     for what, t, size in (("a_log", a_log, v_heads), ("dt_bias", dt_bias, v_heads), ("norm_weight", norm_weight,
                                                                                      v_dim)):
         if t.shape != (size,):
@@ -194,17 +239,19 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
     if any(t.device != mixed.device for t in tensors):
         raise ValueError(f"{name}: all tensors must be on {mixed.device}, got {[str(t.device) for t in tensors]}")
     _check_slots(name, slots, B, mixed.device)
-    out = torch.empty((B, v_heads * v_dim), dtype=mixed.dtype, device=mixed.device)
+    _check_snapshots(name, snapshot_slots, B, tokens, mixed.device)
+    out = torch.empty((rows, v_heads * v_dim), dtype=mixed.dtype, device=mixed.device)
     if B == 0:
         return out
     block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
     round_norm_product = torch.promote_types(norm_weight.dtype, mixed.dtype) == mixed.dtype
     _gated_delta_decode_kernel[(B, v_heads)](
-        mixed, z, a_b, a_log, dt_bias, norm_weight, state, slots, out,
+        mixed, z, a_b, a_log, dt_bias, norm_weight, state, slots,
+        snapshot_slots if snapshot_slots is not None else slots, out, tokens,
         mixed.stride(0), z.stride(0), a_b.stride(0), out.stride(0),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3), k_dim**-0.5, eps,
         K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k, BLOCK_V=block_v,
-        ROUND_NORM_PRODUCT=round_norm_product, L2_EPS=L2_EPS,
+        ROUND_NORM_PRODUCT=round_norm_product, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None,
         num_warps=8 if block_k * block_v >= 128 * 128 else 4)  # the state tile lives in registers
     return out
