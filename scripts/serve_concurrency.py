@@ -2,6 +2,7 @@
 tok/s and time to first token for 1, 2, 4 and 8 clients, and TTFT with a cold vs a warm shared prefix.
 
     python scripts/serve_concurrency.py [MODEL.ninfer] [--device cuda] [--tokens 128] [--prefix-tokens 2048]
+                                        [--kv-dtype bf16|int8|fp8]
 
 Each client sends a distinct prompt, greedy, `ignore_eos`, `max_tokens` = --tokens. Decode tok/s = all
 generated tokens / wall time from the first request to the last answer (prefill included, as a user sees it).
@@ -24,6 +25,7 @@ import uvicorn
 from ninfer.engine.llm import LLM
 from ninfer.engine.scheduler import Engine
 from ninfer.serve.app import ServeConfig, create_app
+from ninfer.serve.main import SERVE_PREFILL_CHUNK
 
 
 def start_server(app) -> tuple[uvicorn.Server, str]:
@@ -75,9 +77,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prefix-tokens", type=int, default=2048, help="length of the shared system prompt")
+    parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8", "fp8"])
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device)
-    engine = Engine(llm, max_concurrency=8).start()
+    llm = LLM(args.model, device=args.device, max_sequences=8, kv_dtype=args.kv_dtype,
+              prefill_chunk=SERVE_PREFILL_CHUNK)
+    engine = Engine(llm, max_concurrency=8, prefill_chunk=SERVE_PREFILL_CHUNK).start()
     model_id = "bench"
     server, url = start_server(create_app(engine, ServeConfig(model_id=model_id)))
     try:
@@ -90,7 +94,8 @@ def main() -> None:
     finally:
         server.should_exit = True
         engine.close()
-    print(f"model {llm.path.name} on {llm.device} ({llm.dtype}), {args.tokens} tokens per client")
+    print(f"model {llm.path.name} on {llm.device} ({llm.dtype}, {'fast' if llm.fast else 'reference'} runner, "
+          f"{args.kv_dtype} KV), {args.tokens} tokens per client")
     print("clients  aggregate tok/s  median TTFT s  wall s")
     for row in rows:
         print(f"{row['clients']:>7}  {row['aggregate_tok_s']:>15.1f}  {row['ttft_median_s']:>13.3f}  "
