@@ -77,5 +77,6 @@ def run_command(args: argparse.Namespace) -> int:
     stats = completion.stats
     print(f"\n[load {llm.load_seconds:.2f} s | prompt {stats.prompt_tokens} tokens | prefill "
           f"{stats.prefill_tokens_per_second:.1f} tok/s | decode {stats.decode_tokens_per_second:.1f} tok/s | "
-          f"{stats.generated_tokens} tokens, finish {completion.finish_reason} | {llm.device}]", file=sys.stderr)
+          f"{stats.generated_tokens} tokens, finish {completion.finish_reason} | {llm.device}, "
+          f"{'fast' if llm.fast else 'reference'} runner]", file=sys.stderr)
     return 0

@@ -180,3 +180,20 @@ def test_every_recipe_runs_on_the_fast_path(tmp_path, monkeypatch, recipe):
     assert _relative(fast.forward(prompt, fast_state), reference.forward(prompt, ref_state)) < FP32_TOLERANCE
     token = torch.tensor([7])
     assert _relative(fast.forward(token, fast_state), reference.forward(token, ref_state)) < FP32_TOLERANCE
+
+
+def test_runner_choice_and_its_errors():
+    from ninfer.engine.llm import LLM, fast_path_unsupported
+    from ninfer.errors import NinferError
+
+    assert LLM().fast is False  # auto on the CPU: the reference runner
+    with pytest.raises(NinferError, match="the fast path cannot run this model: it runs on CUDA only"):
+        LLM(runner="fast")
+    with pytest.raises(NinferError, match="unknown runner 'turbo'"):
+        LLM(runner="turbo")
+    with Artifact.open(DENSE) as artifact:
+        config = TextConfig.from_dict(artifact.components["text"]["config"])
+    narrow = TextConfig(**{**config.__dict__, "head_dim": 32})
+    if torch.cuda.is_available():
+        assert fast_path_unsupported(config, torch.device("cuda")) is None
+    assert "head_dim 32 is not a power of two of at least 64" in fast_path_unsupported(narrow, torch.device("cuda"))

@@ -77,9 +77,12 @@ def serve_command(args: argparse.Namespace) -> int:
                              request_log=args.request_log_jsonl, default_thinking=not args.no_thinking,
                              max_body_bytes=args.max_body_mib << 20)
         app = create_app(engine, config)
-        log.info("serving %s as %r on http://%s:%d (device %s, context %d, concurrency %d, kv capacity %d tokens, "
-                 "loaded in %.1f s)", path, config.model_id, args.host, args.port, llm.device, llm.max_context,
-                 args.max_concurrency, engine.kv_capacity, llm.load_seconds)
+        log.info("serving %s as %r on http://%s:%d (device %s, %s runner, context %d, concurrency %d, kv capacity "
+                 "%d tokens, loaded in %.1f s)", path, config.model_id, args.host, args.port, llm.device,
+                 "fast" if llm.fast else "reference", llm.max_context, args.max_concurrency, engine.kv_capacity,
+                 llm.load_seconds)
+        if llm.fast:
+            log.info("memory plan: %s", llm.model.plan.describe())
         engine.start()
         try:
             server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
