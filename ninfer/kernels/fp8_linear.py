@@ -32,7 +32,7 @@ MAX_TOKENS = 16
 if triton is not None:
 
     @triton.jit
-    def _e4m3_to_fp32(bits):
+    def e4m3_to_fp32(bits):
         """E4M3FN bits (int32 in 0..255, never a NaN code) → the exact fp32 value."""
         sign = (bits & 0x80) << 24
         exponent = (bits >> 3) & 0xF
@@ -66,7 +66,7 @@ if triton is not None:
                 k_ok = (k0 + lanes) < K
                 bits = tl.load(code_ptr + wrows[:, None] * K + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0)
                 x = tl.load(x_base + k0 + lanes, mask=k_ok, other=0.0).to(tl.float32)
-                acc += _e4m3_to_fp32(bits.to(tl.int32)) * x[None, :]
+                acc += e4m3_to_fp32(bits.to(tl.int32)) * x[None, :]
             tl.store(out_base + rows, tl.sum(acc, axis=1) * scale, mask=row_ok)
         else:
             tokens = tl.arange(0, BLOCK_T)
@@ -77,7 +77,7 @@ if triton is not None:
                 bits = tl.load(code_ptr + wrows[:, None] * K + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0)
                 x = tl.load(x_base + tokens[None, :] * stride_x + (k0 + lanes)[:, None],
                             mask=k_ok[:, None] & token_ok[None, :], other=0.0)
-                w = (_e4m3_to_fp32(bits.to(tl.int32)) * scale[:, None]).to(x.dtype)
+                w = (e4m3_to_fp32(bits.to(tl.int32)) * scale[:, None]).to(x.dtype)
                 if IEEE:
                     acc += tl.dot(w, x, input_precision="ieee")
                 else:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ninfer.kernels.attention import causal_attention
+from ninfer.kernels.fp8_linear import e4m3_to_fp32
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -339,9 +340,10 @@ if triton is not None:
             lanes = tl.arange(0, 64)
             offs = slots[:, None, None] + g[None, :, None] * 64 + lanes[None, None, :]
             codes = tl.load(pages + offs, mask=valid[:, None, None], other=0)
-            if QUANT == 2:  # fp8 pools arrive as their uint8 bits (a masked fp8 load cannot take other=0)
-                codes = codes.to(tl.float8e4nv, bitcast=True)
-            codes = codes.to(tl.float32)
+            if QUANT == 2:  # noqa: SIM108 - fp8 pools arrive as uint8 bits, decoded by integer ops (no sm_89 cvt)
+                codes = e4m3_to_fp32(codes.to(tl.int32))
+            else:
+                codes = codes.to(tl.float32)
             scale = tl.load(scales + scale_slots[:, None] + g[None, :], mask=valid[:, None], other=0.0)
             tile = tl.reshape(codes * scale.to(tl.float32)[:, :, None], (BLOCK_S, HEAD_DIM))
         return tile.to(dtype)

@@ -1,0 +1,153 @@
+"""Compile every Triton kernel of ninfer for NVIDIA targets without a GPU: the wrappers are called with small CPU
+tensors while each kernel's launch is intercepted, and the recorded arguments become the kernel's signature for
+`triton.compile` at each target (ptxas ships with triton). Catches what the interpreter cannot: code the
+compiler rejects (unsigned/negative shifts, statements after a return in a constexpr branch, unsupported types on
+an older architecture). Prints one line per kernel and target; exits 1 when any fails.
+
+Usage: python scripts/compile_kernels.py [--targets 90,80]   (TRITON_INTERPRET must be unset)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("unset TRITON_INTERPRET: this script compiles the kernels instead of interpreting them")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ninfer.kernels import fp8_linear, fused, gdn_decode, paged_attention, quant_linear
+from ninfer.quant import codec_for
+
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.uint8: "u8",
+         torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas"}
+launches: list[tuple[str, triton.JITFunction, dict, dict]] = []
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the call instead of launching it."""
+
+    def __init__(self, module, name: str):
+        self.module, self.name, self.kernel = module, name, getattr(module, name)
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            names = [p.name for p in self.kernel.params]
+            values = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+            options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+            launches.append((self.name, self.kernel, values, options))
+
+        return record
+
+
+def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict]:
+    signature, constexprs = {}, {}
+    for index, param in enumerate(kernel.params):
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(index,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    return signature, constexprs
+
+
+def _record_all() -> None:
+    """Call every wrapper the fast path uses, in the variants it uses (formats, T, gather, KV dtypes)."""
+    for module in (quant_linear, fp8_linear, fused, gdn_decode, paged_attention):
+        for name in dir(module):
+            if name.startswith("_") and name.endswith("_kernel"):
+                setattr(module, name, _Recorder(module, name))
+    x = torch.randn(1, 512, dtype=torch.bfloat16)
+    for fmt, tokens in (("q4_g64_fp16", 1), ("q5_g64_fp16", 1), ("q6_g64_fp16", 8), ("q8_g32_fp16", 1)):
+        data = codec_for(fmt).encode(torch.randn(64, 512))
+        quant_linear.quant_linear_gemv(x.repeat(tokens, 1), data, (64, 512), fmt, out_dtype=torch.bfloat16)
+        quant_linear.dequantize(data, (64, 512), fmt, rows=torch.arange(4, dtype=torch.int32))
+    data = codec_for("q5_g64_fp16").encode(torch.randn(4 * 64, 512))
+    quant_linear.quant_linear_gemv(x, data, (256, 512), "q5_g64_fp16", experts=torch.tensor([1, 3], dtype=torch.int32),
+                                   expert_rows=64, x_per_slot=2, out_dtype=torch.bfloat16)
+    ids = torch.randint(0, 4, (40,))
+    quant_linear.quant_linear_grouped(x.repeat(20, 1), data, (256, 512), "q5_g64_fp16", quant_linear.group_pairs(
+        ids, 4, 64), 40, 64, 2, 64)
+    fp8 = codec_for(fp8_linear.FORMAT).encode(torch.randn(64, 512))
+    fp8_linear.fp8_linear_gemv(x, fp8, (64, 512))
+    fp8_linear.fp8_linear_gemv(x.repeat(4, 1), fp8, (64, 512))
+    h = torch.randn(2, 256, dtype=torch.bfloat16)
+    fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6)
+    fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16))
+    fused.sigmoid_mul(h, h)
+    fused.moe_combine(torch.randn(16, 256, dtype=torch.bfloat16), torch.rand(2, 8, dtype=torch.bfloat16), h,
+                      torch.randn(2, 1, dtype=torch.bfloat16))
+    k_heads, k_dim, v_heads, v_dim = 2, 128, 4, 128
+    channels = 2 * k_heads * k_dim + v_heads * v_dim
+    slots, snapshots = torch.tensor([0, 1]), torch.tensor([[2, 3], [4, 5]])
+    mixed = gdn_decode.conv1d_update(torch.randn(4, channels, dtype=torch.bfloat16), torch.randn(channels, 4),
+                                     torch.zeros(6, channels, 3, dtype=torch.bfloat16), slots, tokens=2,
+                                     snapshot_slots=snapshots)
+    gdn_decode.gated_delta_decode(torch.randn(4, channels, dtype=torch.bfloat16),
+                                  torch.randn(4, v_heads * v_dim, dtype=torch.bfloat16),
+                                  torch.randn(4, 2 * v_heads, dtype=torch.bfloat16), torch.randn(v_heads),
+                                  torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
+                                  torch.zeros(6, v_heads, k_dim, v_dim), slots, k_heads, k_dim, v_heads, v_dim, 1e-6,
+                                  tokens=2, snapshot_slots=snapshots)
+    del mixed
+    heads, kv_heads, head_dim = 24, 4, 256
+    query_key = torch.randn(2, (heads + kv_heads) * head_dim, dtype=torch.bfloat16)
+    q, k = paged_attention.qk_norm_rope(query_key, torch.randn(head_dim), torch.randn(head_dim),
+                                        torch.tensor([3, 9]), heads, kv_heads, head_dim, 64,
+                                        torch.rand(32), 1e-6)
+    q = torch.randn(2, heads, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(2, kv_heads, head_dim, dtype=torch.bfloat16)
+    table, lengths = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([70, 5], dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        pages = torch.zeros(5, 64, kv_heads, head_dim, dtype=dtype)
+        scales = torch.zeros(5, 64, kv_heads, head_dim // 64, dtype=torch.float16) if dtype != torch.bfloat16 else None
+        paged_attention.write_kv(k, k, pages, pages.clone(), scales, None if scales is None else scales.clone(), table,
+                                 torch.tensor([69, 4]))
+        for batch in (2, 1):  # one split per sequence, and several (with the merge kernel)
+            paged_attention.paged_attention_decode(q[:batch], pages, pages.clone(), scales, None if scales is None
+                                                   else scales.clone(), table[:batch], lengths[:batch], 0.0625,
+                                                   max_length=8192)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated")
+    args = parser.parse_args()
+    _record_all()
+    failed = 0
+    for capability in (int(c) for c in args.targets.split(",")):
+        target = GPUTarget("cuda", capability, 32)
+        for name, kernel, values, options in launches:
+            signature, constexprs = _signature(kernel, values)
+            label = ", ".join(f"{k}={v}" for k, v in values.items() if (kernel.arg_names.index(k),) in constexprs)
+            try:
+                triton.compile(ASTSource(kernel, signature, constexprs), target=target,
+                               options={"num_warps": options.get("num_warps", 4)})
+                print(f"sm_{capability} ok      {name}({label})")
+            except Exception as exc:  # report every failure, then exit 1
+                failed += 1
+                reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                print(f"sm_{capability} FAILED  {name}({label}): {reason}")
+                if os.environ.get("NINFER_COMPILE_TRACEBACK"):
+                    traceback.print_exc()
+    print(f"{len(launches)} launches × {len(args.targets.split(','))} targets, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
