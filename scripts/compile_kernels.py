@@ -4,14 +4,19 @@ tensors while each kernel's launch is intercepted, and the recorded arguments be
 compiler rejects (unsigned/negative shifts, statements after a return in a constexpr branch, unsupported types on
 an older architecture). Prints one line per kernel and target; exits 1 when any fails.
 
-Usage: python scripts/compile_kernels.py [--targets 90,80]   (TRITON_INTERPRET must be unset)
+Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources]   (TRITON_INTERPRET must be unset)
+`--resources` adds each kernel's registers, spill stack and shared memory per thread block (cuobjdump), the
+first things to look at when a kernel is slower than its memory traffic predicts.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -124,9 +129,23 @@ def _record_all() -> None:
                                                    max_length=8192)
 
 
+def _resources(cubin: bytes) -> str:
+    """REG, STACK and SHARED of a compiled kernel, from `cuobjdump -res-usage` (bundled with triton)."""
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        usage = subprocess.run([tool, "-res-usage", handle.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK|SHARED):(\d+)", usage))
+    return f"  [registers {found.get('REG', '?')}, stack {found.get('STACK', '?')}, shared {found.get('SHARED', '?')}]"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated")
+    parser.add_argument("--resources", action="store_true", help="print registers, stack and shared memory")
     args = parser.parse_args()
     _record_all()
     failed = 0
@@ -136,9 +155,10 @@ def main() -> int:
             signature, constexprs = _signature(kernel, values)
             label = ", ".join(f"{k}={v}" for k, v in values.items() if (kernel.arg_names.index(k),) in constexprs)
             try:
-                triton.compile(ASTSource(kernel, signature, constexprs), target=target,
-                               options={"num_warps": options.get("num_warps", 4)})
-                print(f"sm_{capability} ok      {name}({label})")
+                compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target,
+                                          options={"num_warps": options.get("num_warps", 4)})
+                extra = _resources(compiled.asm["cubin"]) if args.resources else ""
+                print(f"sm_{capability} ok      {name}({label}){extra}")
             except Exception as exc:  # report every failure, then exit 1
                 failed += 1
                 reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

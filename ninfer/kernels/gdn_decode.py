@@ -64,11 +64,12 @@ if triton is not None:
 
     @triton.jit
     def _gated_delta_decode_kernel(mixed_ptr, z_ptr, a_b_ptr, a_log_ptr, dt_bias_ptr, norm_weight_ptr, state_ptr,
-                                   slot_ptr, snapshot_ptr, out_ptr, T, stride_mixed, stride_z, stride_a_b, stride_out,
+                                   slot_ptr, snapshot_ptr, out_ptr, stride_mixed, stride_z, stride_a_b, stride_out,
                                    stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, eps,
                                    K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                                   ROUND_NORM_PRODUCT: tl.constexpr, L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr):
+                                   ROUND_NORM_PRODUCT: tl.constexpr, L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr,
+                                   T: tl.constexpr):
         sequence = tl.program_id(0)
         head = tl.program_id(1)  # value head; it reads key head head // (V_HEADS // K_HEADS)
         key_head = head // (V_HEADS // K_HEADS)
@@ -86,7 +87,7 @@ if triton is not None:
         tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
         S = tl.load(tile, mask=tile_ok, other=0.0)
-        for t in range(T):
+        for t in tl.static_range(T):  # unrolled: a runtime loop carrying S spills more registers
             row = sequence * T + t
             mixed = mixed_ptr + row * stride_mixed
             q = tl.load(mixed + key_head * K_DIM + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -248,10 +249,10 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
     round_norm_product = torch.promote_types(norm_weight.dtype, mixed.dtype) == mixed.dtype
     _gated_delta_decode_kernel[(B, v_heads)](
         mixed, z, a_b, a_log, dt_bias, norm_weight, state, slots,
-        snapshot_slots if snapshot_slots is not None else slots, out, tokens,
+        snapshot_slots if snapshot_slots is not None else slots, out,
         mixed.stride(0), z.stride(0), a_b.stride(0), out.stride(0),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3), k_dim**-0.5, eps,
         K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k, BLOCK_V=block_v,
-        ROUND_NORM_PRODUCT=round_norm_product, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None,
+        ROUND_NORM_PRODUCT=round_norm_product, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens,
         num_warps=8 if block_k * block_v >= 128 * 128 else 4)  # the state tile lives in registers
     return out
