@@ -290,7 +290,8 @@ def quant_linear_grouped(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, 
         x, base, high, scales, out, tile_experts, tile_pairs, 0, expert_rows, k_pad, planes[0].row_bytes // 4,
         _high_row_units(codec, planes), gpr, x.stride(0), out.stride(0), experts,
         BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block, GATHER=False,
-        GROUPED=True, X_PER_SLOT=x_per_pair, IEEE=x.dtype == torch.float32, num_warps=4)
+        GROUPED=True, X_PER_SLOT=x_per_pair, IEEE=x.dtype == torch.float32,
+        num_warps=8)  # 4 warps spill registers at 64 × 64 tiles (scripts/compile_kernels.py --resources)
     return out
 
 
