@@ -197,3 +197,37 @@ def test_runner_choice_and_its_errors():
     if torch.cuda.is_available():
         assert fast_path_unsupported(config, torch.device("cuda")) is None
     assert "head_dim 32 is not a power of two of at least 64" in fast_path_unsupported(narrow, torch.device("cuda"))
+
+
+def test_engine_prefix_reuse_on_the_fast_runner(dense):
+    """Two chats sharing a system turn, one after the other, through the engine over the fast runner: the second
+    resumes from the snapshot of the first's system block (pages and GDN slot copied) and still produces the
+    reference model's single-request tokens."""
+    import asyncio
+
+    from ninfer.engine.llm import LLM, Finished
+    from ninfer.engine.scheduler import Engine, Request
+    from ninfer.sampling import SamplingParams
+
+    _, fast = dense
+    llm = LLM()
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    system = "You write short Python helpers."
+    prompts = [llm.prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": question}],
+                              thinking=False) for question in ("def add(a, b):", "def sub(a, b):")]
+    expected = [llm.generate(ids, params).token_ids for ids in prompts]
+    llm.model = fast
+    engine = Engine(llm, max_concurrency=2, prefill_chunk=64).start()
+    try:
+        async def run(ids):
+            async for event in engine.generate(Request(ids, params, thinking=False)):
+                if isinstance(event, Finished):
+                    return event.completion
+            raise AssertionError("no Finished event")
+
+        results = [asyncio.run(run(ids)) for ids in prompts]
+    finally:
+        engine.close()
+    assert [r.token_ids for r in results] == expected
+    assert results[0].cached_tokens == 0 and results[1].cached_tokens > 0
+    assert engine.stats()["prefix_hits"] == 1
