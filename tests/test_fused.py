@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from ninfer.kernels.fused import add_rms_norm, moe_combine, sigmoid_mul, silu_mul
+from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
+from ninfer.kernels.moe import route_top_k as route_top_k_reference
 from ninfer.kernels.norm import rms_norm
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
@@ -62,3 +63,15 @@ def test_moe_combine_equals_weighted_sum_plus_gated_shared():
     expected = (routed.float().view(batch, top_k, width) * weights.float()[:, :, None]).sum(1)
     expected += torch.sigmoid(logits[:, 256:].float()) * shared.float()
     assert _close(moe_combine(routed, weights, shared, logits[:, 256:]), expected)
+
+
+@pytest.mark.parametrize(("experts", "top_k"), [(256, 8), (16, 2), (10, 3)])
+def test_route_top_k_equals_softmax_top_k_renormalised(experts, top_k):
+    generator = torch.Generator().manual_seed(experts)
+    logits = torch.randn(5, experts + 1, generator=generator).to(DEVICE, DTYPE)  # the last column: the shared gate
+    weights, ids = route_top_k(logits, experts, top_k)
+    expected_weights, expected_ids = route_top_k_reference(logits[:, :experts], top_k)
+    assert torch.equal(ids.long(), expected_ids)
+    assert _close(weights, expected_weights.to(DTYPE))
+    with pytest.raises(ValueError, match="does not fit"):
+        route_top_k(logits, experts + 2, top_k)

@@ -27,7 +27,7 @@ from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
-from ninfer.kernels.fused import add_rms_norm, moe_combine, sigmoid_mul, silu_mul
+from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
 from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
@@ -284,14 +284,12 @@ class FastQwen35:
             return self.linears[prefix + "mlp/down"](silu_mul(self.linears[prefix + "mlp/gate_up"](h)))
         experts = c.experts
         logits = self.linears[prefix + "moe/router_shared_gate"](h)
-        # top-k of the logits, softmax over those k: the same weights as softmax → top-k → renormalise
-        top_logits, ids = torch.topk(logits[:, :experts].float(), c.top_k, dim=-1)
-        weights = torch.softmax(top_logits, dim=-1).to(h.dtype)
+        weights, ids = route_top_k(logits, experts, c.top_k)
         shared = self.linears[prefix + "moe/shared_down"](silu_mul(self.linears[prefix + "moe/shared_gate_up"](h)))
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         if decode:
-            flat = ids.reshape(-1).to(torch.int32)
+            flat = ids.reshape(-1)
             activation = silu_mul(routed_gate_up.gather(h, flat, 2 * c.expert_width, c.top_k))
             routed = routed_down.gather(activation, flat, c.hidden, 1)
         else:

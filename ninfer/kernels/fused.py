@@ -7,6 +7,9 @@ several: a decode step of a 64-layer model runs a few hundred of them, so launch
   * `silu_mul(gate_up)`: silu(gate) · up of a `[B, 2I]` gate/up projection (gate first), in its dtype — the SwiGLU
     activation as `swiglu_mlp` computes it (silu rounded to the dtype, then the product rounded).
   * `sigmoid_mul(x, gate)`: x · sigmoid(gate) in x's dtype (the attention output gate).
+  * `route_top_k(logits, experts, top_k)`: the MoE routing of `ninfer.kernels.moe.route_top_k` in one launch —
+    the top-k of the first `experts` logits (iterated argmax, ties to the lower id, sorted by descending logit)
+    and their softmax (= softmax over all experts, top-k, renormalised); weights in the logits' dtype, ids int32.
   * `moe_combine(routed, weights, shared, shared_logit)`: Σ_j weights[b, j] · routed[b, j] + sigmoid(shared_logit[b])
     · shared[b], summed in fp32 and rounded once (the reference adds expert by expert in the activation dtype:
     equal within rounding).
@@ -81,6 +84,27 @@ if triton is not None:
         tl.store(out_ptr + row * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+    @triton.jit
+    def _route_top_k_kernel(logit_ptr, weight_ptr, id_ptr, experts, stride_logit, TOP_K: tl.constexpr,
+                            K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        values = tl.load(logit_ptr + row * stride_logit + e, mask=e < experts, other=float("-inf")).to(tl.float32)
+        k = tl.arange(0, K_PAD)
+        top = tl.full((K_PAD,), float("-inf"), dtype=tl.float32)  # padding entries weigh exp(-inf) = 0
+        ids = tl.zeros((K_PAD,), dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(values, 0)
+            chosen = tl.min(tl.where(values == best, e, BLOCK_E), 0)  # the lowest id among equal logits
+            top = tl.where(k == j, best, top)
+            ids = tl.where(k == j, chosen, ids)
+            values = tl.where(e == chosen, float("-inf"), values)
+        weights = tl.exp(top - tl.max(top, 0))
+        weights = weights / tl.sum(weights, 0)
+        tl.store(weight_ptr + row * TOP_K + k, weights.to(weight_ptr.dtype.element_ty), mask=k < TOP_K)
+        tl.store(id_ptr + row * TOP_K + k, ids, mask=k < TOP_K)
+
+
 ELEMENTWISE_BLOCK = 1024
 
 
@@ -142,3 +166,18 @@ def moe_combine(routed: Tensor, weights: Tensor, shared: Tensor, shared_logit: T
         routed, weights, shared, shared_logit, out, width, weights.stride(0), shared.stride(0), shared_logit.stride(0),
         TOP_K=top_k, BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
     return out
+
+
+def route_top_k(logits: Tensor, experts: int, top_k: int) -> tuple[Tensor, Tensor]:
+    """logits `[B, ≥ experts]` (the router's output; columns past `experts` ignored) → (weights `[B, top_k]` in
+    the logits' dtype, ids `[B, top_k]` int32); see the module docstring."""
+    _check("route_top_k", logits)
+    rows = logits.shape[0]
+    if not 0 < top_k <= experts <= logits.shape[1]:
+        raise ValueError(f"route_top_k: top_k {top_k} of {experts} experts does not fit logits {list(logits.shape)}")
+    weights = torch.empty((rows, top_k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((rows, top_k), dtype=torch.int32, device=logits.device)
+    _route_top_k_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
+                                 K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
+                                 num_warps=4)
+    return weights, ids
