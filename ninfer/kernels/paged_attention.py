@@ -137,15 +137,13 @@ def paged_attention_reference(q: Tensor, key_pages: Tensor, value_pages: Tensor,
     return out
 
 
-def decode_split_plan(batch: int, kv_heads: int, max_length: int, device: torch.device) -> tuple[int, int]:
-    """(splits, positions per split) of `paged_attention_decode`, from host ints only: enough programs for about
-    two waves over the GPU's SMs (INTERPRETER_PROGRAMS without one), at most MAX_SPLITS, each split a whole
-    number of BLOCK_POSITIONS tiles."""
+def decode_split_plan(batch: int, kv_heads: int, max_length: int, device: torch.device) -> int:
+    """Splits of `paged_attention_decode`, from host ints only: enough programs for about two waves over the GPU's
+    SMs (INTERPRETER_PROGRAMS without one), at most MAX_SPLITS, and no more than `max_length` has
+    BLOCK_POSITIONS tiles (each sequence then divides its own length among the splits on the device)."""
     blocks = max(1, -(-max_length // BLOCK_POSITIONS))
     target = 2 * _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_PROGRAMS
-    splits = max(1, min(-(-target // (batch * kv_heads)), MAX_SPLITS, blocks))
-    blocks_per_split = -(-blocks // splits)
-    return -(-blocks // blocks_per_split), blocks_per_split * BLOCK_POSITIONS
+    return max(1, min(-(-target // (batch * kv_heads)), MAX_SPLITS, blocks))
 
 
 @functools.lru_cache
@@ -448,7 +446,7 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
         raise ValueError(f"paged_attention_decode: block_table {list(block_table.shape)} and lengths "
                          f"{list(lengths.shape)} must have B = {batch} rows")
     max_length = block_table.shape[1] * page if max_length is None else max_length
-    splits, _ = decode_split_plan(batch, kv_heads, max_length, q.device)
+    splits = decode_split_plan(batch, kv_heads, max_length, q.device)
     group = heads // kv_heads
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     partial_out = partial_max = partial_sum = out  # unused pointers without splits
