@@ -2,14 +2,16 @@
 
 Same math and the same interface as the reference `Qwen35Model` (`new_state`, `forward`, `decode_batch`,
 `snapshot`, `restore`), which stays the oracle; the GPU tests compare the two. Per step:
-  * decode (`decode_batch`, B sequences, one token each): every matrix through the Triton GEMV, the fused q/k
-    norm + rotary, the paged-KV write and split-K attention, the GDN conv-update and gated-delta-step kernels,
-    MoE experts through the gathering GEMV; captured once per batch-size bucket as a CUDA graph (no host sync, no
-    allocation inside a step) and replayed;
+  * decode (`decode_batch`, B sequences, one token each): every matrix through the Triton GEMV (groupwise or
+    FP8 rows), the fused residual-add + norm, q/k norm + rotary, the paged-KV write and split-K attention, the
+    GDN conv-update and gated-delta-step kernels, MoE routing in one kernel and the experts through the gathering
+    GEMV; captured once per batch-size bucket as a CUDA graph (no host sync, no allocation inside a step) and
+    replayed;
   * prefill (`forward` with T > 1): in chunks of `prefill_chunk` tokens carrying KV, conv and recurrent state;
-    matrices dequantized to a scratch buffer and multiplied by cuBLAS, attention by SDPA over the sequence's
-    pages, the delta rule by flash-linear-attention's chunked kernel when installed (else the torch reference);
-    only the last position goes through the head.
+    matrices dequantized to a scratch buffer and multiplied by cuBLAS, routed experts in one grouped launch per
+    matrix, attention by SDPA over the sequence's pages, the delta rule by flash-linear-attention's chunked
+    kernel when installed (else the torch reference); only the last position goes through the head.
+docs/fast-path.md describes the whole path.
 """
 
 from __future__ import annotations
