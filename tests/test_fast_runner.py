@@ -231,3 +231,31 @@ def test_engine_prefix_reuse_on_the_fast_runner(dense):
     assert [r.token_ids for r in results] == expected
     assert results[0].cached_tokens == 0 and results[1].cached_tokens > 0
     assert engine.stats()["prefix_hits"] == 1
+
+
+@pytest.mark.parametrize("path", [DENSE, MOE])
+def test_verify_equals_token_by_token_decode_and_accept_resumes(path):
+    """A verify step of T draft tokens gives the logits of T single-token decode steps; accepting j of them leaves
+    each sequence exactly where decoding those j tokens would (GDN state from the verify snapshots)."""
+    _, fast = _models(path, max_sequences=6, max_verify_tokens=3)
+    prompts = [torch.tensor(PROMPT[:9]), torch.tensor(PROMPT[9:14])]
+    drafts = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    verified = [fast.new_state(32) for _ in prompts]
+    stepped = [fast.new_state(32) for _ in prompts]
+    for prompt, a, b in zip(prompts, verified, stepped, strict=True):
+        fast.forward(prompt, a)
+        fast.forward(prompt, b)
+    logits = fast.verify(verified, drafts)
+    expected = torch.stack([fast.decode_batch(stepped, drafts[:, t]) for t in range(3)], dim=1)
+    assert _relative(logits, expected) < FP32_TOLERANCE
+    with pytest.raises(ValueError, match="accept the verify step"):
+        fast.decode_batch(verified, drafts[:, 0])
+    fast.accept(verified, [1, 3])  # sequence 0 keeps one draft, sequence 1 all three
+    assert [s.length for s in verified] == [10, 8]
+    reference = [fast.new_state(32) for _ in prompts]
+    for b, kept in enumerate((1, 3)):
+        fast.forward(torch.cat([prompts[b], drafts[b, :kept]]), reference[b])
+    nxt = torch.tensor([30, 31])
+    assert _relative(fast.decode_batch(verified, nxt), fast.decode_batch(reference, nxt)) < FP32_TOLERANCE
+    with pytest.raises(ValueError, match=r"1\.\.3 tokens"):
+        fast.verify(verified, torch.zeros((2, 4), dtype=torch.long))

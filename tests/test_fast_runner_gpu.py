@@ -107,3 +107,17 @@ def test_prefill_delta_rule_in_bf16_matches_the_fp32_reference():
     o, final = delta_rule_prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), initial, dim)
     o_ref, final_ref = gated_delta_rule_chunked(l2_normalize(q) * dim**-0.5, l2_normalize(k), v, g, beta, initial)
     assert _relative(o, o_ref) < 2e-2 and _relative(final, final_ref) < 2e-2
+
+
+def test_verify_step_equals_token_by_token_decode_on_cuda():
+    with Artifact.open(DEMO) as artifact:
+        fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=512, dtype=torch.float32,
+                                        max_verify_tokens=4)
+    prompt = torch.arange(5, 30, device="cuda")
+    drafts = torch.tensor([[7, 8, 9, 10], [40, 41, 42, 43]], device="cuda")
+    verified, stepped = [fast.new_state(64) for _ in range(2)], [fast.new_state(64) for _ in range(2)]
+    for state in verified + stepped:
+        fast.forward(prompt, state)
+    logits = fast.verify(verified, drafts)
+    expected = torch.stack([fast.decode_batch(stepped, drafts[:, t]) for t in range(4)], dim=1)
+    assert _relative(logits, expected) < FP32_TOLERANCE

@@ -5,8 +5,9 @@ Layout (see ninfer/kernels/paged_attention.py for the page format):
   * KV: per attention layer `key_pages`, `value_pages` `[P, PAGE, kvh, hd]` in the KV dtype (bf16 / int8 / fp8)
     and, for int8/fp8, fp16 scales `[P, PAGE, kvh, hd / 64]`. Page 0 is scratch (padding rows of a batch write
     there); a sequence owns the pages of its block-table row, allocated for its whole capacity at admission.
-  * GDN: `conv` `[L, S + 1, C, K-1]` bf16 and `recurrent` `[L, S + 1, Hv, Dk, Dv]` fp32 over the L GDN layers;
-    slot S is scratch.
+  * GDN: `conv` `[L, S + 1 + S·V, C, K-1]` bf16 and `recurrent` `[L, S + 1 + S·V, Hv, Dk, Dv]` fp32 over the L
+    GDN layers; slot S is scratch; with V = `max_verify_tokens` > 0, slots S + 1 + s·V + t hold sequence slot s's
+    state after draft token t of a verify step (the recurrent state cannot be cut back to an accepted prefix).
 A `SlotState` is one sequence's handle; dropping the last reference returns its slot and pages.
 """
 
@@ -76,12 +77,12 @@ class MemoryPlan:
 
 def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int, max_context: int,
                 kv_capacity: int | None, kv_dtype: str, prefill_chunk: int, margin: float = 0.05,
-                page: int = PAGE) -> MemoryPlan:
+                page: int = PAGE, max_verify_tokens: int = 0) -> MemoryPlan:
     """Size the KV pool: `kv_capacity` tokens when given, else (auto) what is left after the weights, the slots'
     recurrent state and the workspace, minus a `margin` fraction of the free memory — capped at what `slots`
     sequences of `max_context` (in whole pages) can use. Raises MemoryPlanError when even one full-context
     sequence does not fit."""
-    state = (slots + 1) * state_bytes_per_slot(config)
+    state = (slots * (1 + max_verify_tokens) + 1) * state_bytes_per_slot(config)
     per_token = kv_bytes_per_token(config, kv_dtype)
     # workspace: the largest dequantized prefill matrix, prefill activations (a few [chunk, width] tensors) and the
     # logits of a decode batch and of a prefill's last row
@@ -113,17 +114,20 @@ class SlotState:
     pages: list[int]
     length: int = 0
     cache: SequenceCache | None = field(default=None, repr=False)
+    pending: int = 0  # draft tokens of a verify step not yet accepted or rejected
 
 
 class SequenceCache:
     """The device pools and their free lists (host side; the device never reads them)."""
 
     def __init__(self, config: TextConfig, device: torch.device, *, slots: int, kv_tokens: int, max_context: int,
-                 kv_dtype: str, float_dtype: torch.dtype = torch.bfloat16, page: int = PAGE):
+                 kv_dtype: str, float_dtype: torch.dtype = torch.bfloat16, page: int = PAGE,
+                 max_verify_tokens: int = 0):
         self.config = config
         self.device = device
         self.page = page
         self.slots = slots
+        self.max_verify_tokens = max_verify_tokens
         self.kv_dtype = kv_dtype
         self.max_pages = math.ceil(max_context / page)
         pages = math.ceil(kv_tokens / page) + 1  # + the scratch page 0
@@ -141,9 +145,10 @@ class SequenceCache:
                 self.value_scales[layer] = torch.zeros(scale_shape, dtype=torch.float16, device=device)
         gdn = len(self.gdn_layers)
         self.gdn_index = {layer: i for i, layer in enumerate(self.gdn_layers)}
-        self.conv = torch.zeros((gdn, slots + 1, config.conv_dim, config.conv_kernel - 1), dtype=float_dtype,
+        state_slots = slots * (1 + max_verify_tokens) + 1
+        self.conv = torch.zeros((gdn, state_slots, config.conv_dim, config.conv_kernel - 1), dtype=float_dtype,
                                 device=device)
-        self.recurrent = torch.zeros((gdn, slots + 1, config.v_heads, config.k_dim, config.v_dim),
+        self.recurrent = torch.zeros((gdn, state_slots, config.v_heads, config.k_dim, config.v_dim),
                                      dtype=torch.float32, device=device)
         self.block_tables = torch.zeros((slots + 1, self.max_pages), dtype=torch.int32, device=device)
         self.free_slots = list(range(slots - 1, -1, -1))
@@ -160,6 +165,10 @@ class SequenceCache:
     @property
     def scratch_slot(self) -> int:
         return self.slots
+
+    def verify_slot(self, slot: int, token: int) -> int:
+        """The GDN pool slot that holds sequence slot `slot`'s state after draft token `token` of a verify step."""
+        return self.slots + 1 + slot * self.max_verify_tokens + token
 
     def allocate(self, capacity: int) -> SlotState:
         """A fresh sequence of up to `capacity` positions (zeroed GDN state, its pages in its block-table row)."""

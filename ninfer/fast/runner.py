@@ -116,16 +116,18 @@ class FastQwen35:
     def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cuda", *, max_sequences: int = 8,
                       max_context: int = 32768, kv_capacity: int | None = None, kv_dtype: str = "bf16",
                       prefill_chunk: int = 4096, dtype: torch.dtype = torch.bfloat16, graphs: bool = True,
-                      progress: bool = False) -> FastQwen35:
+                      max_verify_tokens: int = 0, progress: bool = False) -> FastQwen35:
         """Plan the memory (refusing what does not fit before loading anything), then load the weights and
         allocate the pools. `dtype` is the activation dtype (bf16; fp32 serves the CPU tests under the Triton
-        interpreter) and the dtype of "bf16" KV pages."""
+        interpreter) and the dtype of "bf16" KV pages. `max_verify_tokens` > 0 reserves GDN snapshot slots for
+        `verify` steps of up to that many draft tokens per sequence."""
         config = TextConfig.from_dict(artifact.components["text"]["config"])
         device = torch.device(device)
         objects = [o for o in artifact.objects if o.kind == "tensor" and o.component == "text"]
         weight_bytes = sum(_device_bytes(o.format, o.shape, o.bytes) for o in objects)
         plan = plan_memory(config, weight_bytes, free_memory(device), slots=max_sequences, max_context=max_context,
-                           kv_capacity=kv_capacity, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
+                           kv_capacity=kv_capacity, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+                           max_verify_tokens=max_verify_tokens)
         scratch = Scratch(device, dtype)
         linears, vectors = {}, {}
         for obj in tqdm(objects, desc="loading weights", unit="object", disable=not progress):
@@ -136,7 +138,8 @@ class FastQwen35:
                 tensor = artifact.tensor(obj.id, device)
                 vectors[name] = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)
         cache = SequenceCache(config, device, slots=max_sequences, kv_tokens=plan.kv_tokens,
-                              max_context=max_context, kv_dtype=kv_dtype, float_dtype=dtype)
+                              max_context=max_context, kv_dtype=kv_dtype, float_dtype=dtype,
+                              max_verify_tokens=max_verify_tokens)
         return cls(config, linears, vectors, cache, plan, dtype=dtype, prefill_chunk=prefill_chunk, graphs=graphs)
 
     # -- sequences -------------------------------------------------------------------------------------------
@@ -172,6 +175,8 @@ class FastQwen35:
     def forward(self, ids: torch.Tensor, state: SlotState, all_logits: bool = False) -> torch.Tensor:
         """Logits (fp32) of the last new position `[V]` (all new positions `[T, V]` with `all_logits`)."""
         ids = ids.to(self.device)
+        if state.pending:
+            raise ValueError("accept the verify step before decoding on")
         if state.length + ids.numel() > state.capacity:
             raise ValueError(f"sequence of {state.length + ids.numel()} tokens exceeds the state's capacity of "
                              f"{state.capacity}")
@@ -188,6 +193,8 @@ class FastQwen35:
         for state in states:
             if state.length + 1 > state.capacity:
                 raise ValueError(f"sequence of {state.length + 1} tokens exceeds its capacity of {state.capacity}")
+            if state.pending:
+                raise ValueError("accept the verify step before decoding on")
         bucket = next(b for b in self.buckets if b >= batch)
         host = torch.zeros((3, bucket), dtype=torch.int32)
         host[0, :batch] = ids.view(-1).cpu().to(torch.int32)
@@ -204,6 +211,50 @@ class FastQwen35:
         for state in states:
             state.length += 1
         return logits[:batch].clone()
+
+    def verify(self, states: Sequence[SlotState], ids: torch.Tensor) -> torch.Tensor:
+        """A speculative verify step: T draft tokens `ids` `[B, T]` appended to each of B sequences in one
+        forward; returns the logits `[B, T, V]` (fp32) after each of them. The GDN state after every draft token is
+        kept in the sequence's verify slots; `accept` then keeps a prefix of the drafts. (Eager: not graphed.)"""
+        batch, tokens = ids.shape
+        if not 1 <= tokens <= self.cache.max_verify_tokens:
+            raise ValueError(f"a verify step takes 1..{self.cache.max_verify_tokens} tokens per sequence "
+                             f"(max_verify_tokens), not {tokens}")
+        for state in states:
+            if state.pending:
+                raise ValueError("accept the previous verify step before the next one")
+            if state.length + tokens > state.capacity:
+                raise ValueError(f"sequence of {state.length + tokens} tokens exceeds its capacity of {state.capacity}")
+        device = self.device
+        slot_list = [s.slot for s in states]
+        slots = torch.tensor(slot_list, dtype=torch.int32, device=device)
+        snapshots = torch.tensor([[self.cache.verify_slot(s, t) for t in range(tokens)] for s in slot_list],
+                                 dtype=torch.int32, device=device)
+        positions = torch.tensor([s.length + t for s in states for t in range(tokens)], dtype=torch.int32,
+                                 device=device)
+        lengths = positions + 1
+        tables = self.cache.block_tables.index_select(0, slots).repeat_interleave(tokens, dim=0)
+        x = self.linears["token_embedding"].rows(ids.reshape(-1).to(device=device, dtype=torch.int32))
+        h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
+                         lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), decode=True)
+        for state in states:
+            state.length += tokens
+            state.pending = tokens
+        return self.head(h, out_dtype=torch.float32).view(batch, tokens, -1)
+
+    def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
+        """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step: its length drops to
+        that prefix and its GDN state becomes the snapshot after the last kept token (KV rows past the length are
+        simply overwritten later)."""
+        for state, count in zip(states, accepted, strict=True):
+            if not 1 <= count <= state.pending:
+                raise ValueError(f"accept 1..{state.pending} tokens of the verify step, not {count}")
+            if count < state.pending:
+                snapshot = self.cache.verify_slot(state.slot, count - 1)
+                self.cache.conv[:, state.slot] = self.cache.conv[:, snapshot]
+                self.cache.recurrent[:, state.slot] = self.cache.recurrent[:, snapshot]
+            state.length -= state.pending - count
+            state.pending = 0
 
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         if bucket not in self.graphs:
@@ -263,7 +314,8 @@ class FastQwen35:
                                    max_length=cache.max_pages * cache.page)
         return self.linears[prefix + "output"](sigmoid_mul(o.view(batch, q_rows), gate_value[:, :q_rows]))
 
-    def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
+                    snapshots: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         prefix = f"layers/{layer}/gdn/"
         value_rows = c.v_heads * c.v_dim
@@ -272,10 +324,12 @@ class FastQwen35:
         a_b = self.linears[prefix + "a_b_projection"](h)
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
-                              self.vectors[prefix + "convolution"], self.cache.conv[index], slots)
+                              self.vectors[prefix + "convolution"], self.cache.conv[index], slots, tokens=tokens,
+                              snapshot_slots=snapshots)
         o = gated_delta_decode(mixed, value_z[:, value_rows:], a_b, self.vectors[prefix + "a_log"],
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
-                               self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps)
+                               self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
+                               tokens=tokens, snapshot_slots=snapshots)
         return self.linears[prefix + "output"](o)
 
     def _mlp(self, h: torch.Tensor, prefix: str, decode: bool) -> torch.Tensor:
