@@ -259,3 +259,56 @@ def test_verify_equals_token_by_token_decode_and_accept_resumes(path):
     assert _relative(fast.decode_batch(verified, nxt), fast.decode_batch(reference, nxt)) < FP32_TOLERANCE
     with pytest.raises(ValueError, match=r"1\.\.3 tokens"):
         fast.verify(verified, torch.zeros((2, 4), dtype=torch.long))
+
+
+def test_snapshots_share_full_pages_by_reference_and_give_them_back(dense):
+    _, fast = dense
+    cache = fast.cache
+    gc.collect()
+    free_pages = len(cache.free_pages)
+    prompt = torch.tensor((PROMPT * 4)[:70])  # one full 64-position page and 6 positions of the next
+    original = fast.new_state(80)
+    fast.forward(prompt, original)
+    saved = fast.snapshot(original)
+    shared = original.pages[0]
+    assert saved[("pages", 0)].pages == [shared] and cache.refs[shared] == 2  # the sequence and the lease
+    expected = fast.forward(torch.tensor([5, 6, 7]), original)
+    copy = fast.new_state(80)
+    fast.restore(copy, 70, saved)
+    assert copy.pages[0] == shared and cache.refs[shared] == 3
+    assert int(cache.block_tables[copy.slot, 0]) == shared and copy.pages[1] != original.pages[1]
+    assert torch.equal(fast.forward(torch.tensor([5, 6, 7]), copy), expected)  # wrote only its own page
+    del original, copy, saved
+    gc.collect()
+    assert len(cache.free_pages) == free_pages and all(r == 0 for r in cache.refs)
+
+
+def test_allocation_reclaims_pages_held_by_snapshots(dense):
+    _, fast = dense
+    cache = fast.cache
+    gc.collect()
+    with pytest.raises(ValueError, match="free page"):
+        cache.lease([cache.free_pages[-1]])
+    leases = []
+    while len(cache.free_pages) >= 2:  # sequences come and go; only leases (as snapshots take) keep their pages
+        state = fast.new_state(128)
+        leases.append(cache.lease(state.pages))
+        del state
+    calls = []
+
+    def reclaim() -> bool:  # the engine drops its oldest snapshot
+        calls.append(len(leases))
+        return bool(leases) and leases.pop(0) is not None
+
+    cache.reclaim = reclaim
+    try:
+        state = fast.new_state(128)  # two pages: only after a snapshot gave them back
+        assert len(state.pages) == 2 and calls
+        del state
+        leases.clear()
+        cache.reclaim = lambda: False
+        held = [fast.new_state(16) for _ in cache.free_slots[:1]]
+        with pytest.raises(CacheFullError, match="free slots"):
+            held += [fast.new_state(16) for _ in range(len(cache.free_slots) + 1)]
+    finally:
+        cache.reclaim = None

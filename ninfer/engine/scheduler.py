@@ -69,20 +69,24 @@ Result = Completion
 
 @dataclass
 class _Snapshot:
-    """A sequence's whole state after `length` prompt tokens (KV rows, conv and recurrent state)."""
+    """A sequence's whole state after `length` prompt tokens (KV rows, conv and recurrent state), as the model's
+    `snapshot` gives it: tensors, and on the fast path a lease on shared KV pages (not a tensor: it stays on the
+    device, is not counted in the cache's byte budgets and passes through moves unchanged)."""
 
     length: int
-    tensors: dict[tuple[str, int], torch.Tensor]
+    tensors: dict[tuple[str, int], Any]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(t.numel() * t.element_size() for t in self.tensors.values() if isinstance(t, torch.Tensor))
 
     def to(self, device: torch.device | str, pin: bool = False) -> _Snapshot:
         moved = {}
-        for key, tensor in self.tensors.items():
-            tensor = tensor.to(device)
-            moved[key] = tensor.pin_memory() if pin else tensor
+        for key, value in self.tensors.items():
+            if isinstance(value, torch.Tensor):
+                value = value.to(device)
+                value = value.pin_memory() if pin else value
+            moved[key] = value
         return _Snapshot(self.length, moved)
 
 
@@ -129,6 +133,14 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._device) + len(self._host)
+
+    def drop_oldest(self) -> bool:
+        """Forget the least recently used snapshot (host first): the model needs the KV pages it holds."""
+        for store in (self._host, self._device):
+            if store:
+                store.popitem(last=False)
+                return True
+        return False
 
 
 class _Sequence:
@@ -179,6 +191,9 @@ class Engine:
             raise NinferError(f"kv_capacity {self.kv_capacity} exceeds the {model_capacity} tokens of the model's "
                               "KV pool")
         self.cache = PrefixCache(llm.device, prefix_cache_bytes, host_cache_bytes)
+        pool = getattr(llm.model, "cache", None)
+        if pool is not None:  # the fast path's KV pool: snapshots hold pages it may need back
+            pool.reclaim = self.cache.drop_oldest
         im_end = llm.tokenizer.im_end_id
         self._boundary_ids = {im_end} if im_end is not None else set()
         self._waiting: deque[_Sequence] = deque()

@@ -9,12 +9,19 @@ Layout (see ninfer/kernels/paged_attention.py for the page format):
     GDN layers; slot S is scratch; with V = `max_verify_tokens` > 0, slots S + 1 + s·V + t hold sequence slot s's
     state after draft token t of a verify step (the recurrent state cannot be cut back to an accepted prefix).
 A `SlotState` is one sequence's handle; dropping the last reference returns its slot and pages.
+
+Pages are reference-counted so that prefix snapshots share them by content instead of copying them: a snapshot
+holds a `PageLease` on the full pages of its prefix, and a sequence restored from it points its block table at
+those pages (it only ever writes past its restored length, so a shared page is never written). A page returns
+to the free list when no sequence and no lease holds it; when an allocation finds too few free pages it asks
+`reclaim` (the engine's prefix cache) to drop snapshots first.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -117,8 +124,20 @@ class SlotState:
     pending: int = 0  # draft tokens of a verify step not yet accepted or rejected
 
 
+class PageLease:
+    """A hold on KV pages (a prefix snapshot's full pages); the pages stay allocated while the lease lives."""
+
+    def __init__(self, cache: SequenceCache, pages: list[int]):
+        if any(cache.refs[page] == 0 for page in pages):
+            raise ValueError("a lease must be taken on pages a live sequence holds, not on a free page")
+        self.pages = pages
+        for page in pages:
+            cache.refs[page] += 1
+        weakref.finalize(self, cache.unref, list(pages))
+
+
 class SequenceCache:
-    """The device pools and their free lists (host side; the device never reads them)."""
+    """The device pools, their free lists and page reference counts (host side; the device never reads them)."""
 
     def __init__(self, config: TextConfig, device: torch.device, *, slots: int, kv_tokens: int, max_context: int,
                  kv_dtype: str, float_dtype: torch.dtype = torch.bfloat16, page: int = PAGE,
@@ -153,6 +172,8 @@ class SequenceCache:
         self.block_tables = torch.zeros((slots + 1, self.max_pages), dtype=torch.int32, device=device)
         self.free_slots = list(range(slots - 1, -1, -1))
         self.free_pages = list(range(pages - 1, 0, -1))
+        self.refs = [0] * pages  # holders of each page: sequences and leases
+        self.reclaim: Callable[[], bool] | None = None  # drops one snapshot (its lease); False when none is left
 
     @property
     def kv_element_bytes(self) -> float:
@@ -175,23 +196,46 @@ class SequenceCache:
         needed = math.ceil(capacity / self.page)
         if needed > self.max_pages:
             raise CacheFullError(f"a sequence of {capacity} tokens exceeds the context of {self.max_pages * self.page}")
+        while needed > len(self.free_pages) and self.reclaim is not None and self.reclaim():
+            pass
         if not self.free_slots or needed > len(self.free_pages):
             raise CacheFullError(f"no room for a sequence of {capacity} tokens: {len(self.free_slots)} free slots, "
                                  f"{len(self.free_pages) * self.page} free KV positions")
         slot = self.free_slots.pop()
         pages = [self.free_pages.pop() for _ in range(needed)]
+        for page in pages:
+            self.refs[page] = 1
         row = torch.zeros(self.max_pages, dtype=torch.int32)
         row[:needed] = torch.tensor(pages, dtype=torch.int32)
         self.block_tables[slot].copy_(row)
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
         state = SlotState(slot, capacity, pages, cache=self)
-        weakref.finalize(state, self._release, slot, pages)
+        weakref.finalize(state, self._release, slot, pages)  # `pages` is the state's own (mutable) list
         return state
 
     def _release(self, slot: int, pages: list[int]) -> None:
         self.free_slots.append(slot)
-        self.free_pages.extend(pages)
+        self.unref(pages)
+
+    def unref(self, pages: list[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free_pages.append(page)
+
+    def lease(self, pages: list[int]) -> PageLease:
+        return PageLease(self, list(pages))
+
+    def share(self, state: SlotState, index: int, page: int) -> None:
+        """Make position block `index` of a sequence the (leased) page `page`, giving up its own page there."""
+        own = state.pages[index]
+        if own == page:
+            return
+        self.refs[page] += 1
+        state.pages[index] = page
+        self.block_tables[state.slot, index] = page
+        self.unref([own])
 
     def dense_kv(self, layer: int, state: SlotState, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Keys and values of positions [0, length) of a sequence as dense `[length, kvh, hd]` in `dtype`."""

@@ -147,26 +147,34 @@ class FastQwen35:
     def new_state(self, capacity: int) -> SlotState:
         return self.cache.allocate(capacity)
 
-    def snapshot(self, state: SlotState) -> dict[tuple[str, int], torch.Tensor]:
-        """Copies of a sequence's state: its used KV pages and its GDN slot (prefix reuse)."""
-        used = state.pages[: math.ceil(state.length / self.cache.page)]
-        index = torch.tensor(used, device=self.device)
-        tensors: dict[tuple[str, int], torch.Tensor] = {}
-        for kind in ("key_pages", "value_pages", "key_scales", "value_scales"):
-            for layer, pool in getattr(self.cache, kind).items():
-                tensors[(kind, layer)] = pool[index].clone()
-        tensors[("conv", 0)] = self.cache.conv[:, state.slot].clone()
-        tensors[("recurrent", 0)] = self.cache.recurrent[:, state.slot].clone()
-        return tensors
+    def snapshot(self, state: SlotState) -> dict[tuple[str, int], object]:
+        """A sequence's state for prefix reuse: a lease on its full KV pages (shared, not copied), copies of its
+        partial last page and of its GDN slot."""
+        page = self.cache.page
+        full = state.length // page
+        snapshot: dict[tuple[str, int], object] = {("pages", 0): self.cache.lease(state.pages[:full])}
+        if state.length % page:
+            index = torch.tensor(state.pages[full : full + 1], device=self.device)
+            for kind in ("key_pages", "value_pages", "key_scales", "value_scales"):
+                for layer, pool in getattr(self.cache, kind).items():
+                    snapshot[(kind, layer)] = pool[index].clone()
+        snapshot[("conv", 0)] = self.cache.conv[:, state.slot].clone()
+        snapshot[("recurrent", 0)] = self.cache.recurrent[:, state.slot].clone()
+        return snapshot
 
-    def restore(self, state: SlotState, length: int, tensors: dict[tuple[str, int], torch.Tensor]) -> None:
-        for (kind, layer), tensor in tensors.items():
+    def restore(self, state: SlotState, length: int, snapshot: dict[tuple[str, int], object]) -> None:
+        """Put a `snapshot` of a `length`-token prefix into a fresh state: its block table points at the leased
+        full pages, the partial page and the GDN state are copied."""
+        full = length // self.cache.page
+        for index, page in enumerate(snapshot[("pages", 0)].pages):
+            self.cache.share(state, index, page)
+        for (kind, layer), tensor in snapshot.items():
             if kind == "conv":
                 self.cache.conv[:, state.slot] = tensor.to(self.device)
             elif kind == "recurrent":
                 self.cache.recurrent[:, state.slot] = tensor.to(self.device)
-            else:
-                index = torch.tensor(state.pages[: tensor.shape[0]], device=self.device)
+            elif kind != "pages":
+                index = torch.tensor(state.pages[full : full + 1], device=self.device)
                 getattr(self.cache, kind)[layer][index] = tensor.to(self.device)
         state.length = length
 
