@@ -1,10 +1,12 @@
-"""The GPU fast path's model runner against the reference model, on the CPU under the Triton interpreter (fp32
-activations): chunked prefill, batched decode, the MoE routes, quantized KV pages, prefix snapshots, the memory
-plan and slot accounting. The same comparisons at real shapes on CUDA are in tests/test_fast_runner_gpu.py."""
+"""The GPU fast path's model runner against the reference model in fp32 — on the CPU under the Triton interpreter
+(CI), on CUDA when there is one: chunked prefill, batched decode, the MoE routes, quantized KV pages, prefix
+snapshots with shared pages, verify steps, the memory plan and slot accounting. The same comparisons at real
+shapes on CUDA are in tests/test_fast_runner_gpu.py."""
 
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from ninfer.fast.runner import MAX_GATHERED_PAIRS, FastQwen35
 from ninfer.model.config import TextConfig
 from ninfer.model.qwen3_5 import Qwen35Model
 
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
 DENSE = "ninfer/assets/demo.ninfer"
 MOE = "data/models/small-moe-q8.ninfer"
 FP32_TOLERANCE = 1e-4  # relative to the largest logit: fp32 on both sides, summation orders differ
@@ -26,8 +29,8 @@ PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3, 8, 12, 13, 40, 41, 42, 43, 44, 45, 46,
 
 def _models(path, **options):
     with Artifact.open(path) as artifact:
-        reference = Qwen35Model.from_artifact(artifact, "cpu", torch.float32)
-        fast = FastQwen35.from_artifact(artifact, "cpu", dtype=torch.float32, max_context=128, **options)
+        reference = Qwen35Model.from_artifact(artifact, DEVICE, torch.float32)
+        fast = FastQwen35.from_artifact(artifact, DEVICE, dtype=torch.float32, max_context=128, **options)
     return reference, fast
 
 
@@ -132,7 +135,7 @@ def test_engine_batches_decode_steps_on_the_fast_runner(dense):
     from ninfer.sampling import SamplingParams
 
     _, fast = dense
-    llm = LLM()  # the embedded demo model on the reference runner, then given the fast runner
+    llm = LLM(device=DEVICE, dtype=torch.float32, runner="reference")  # the demo model, then the fast runner
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompts = [llm.tokenizer.encode(f"def f{i}(x):\n    return") for i in range(3)]
     expected = [llm.generate(ids, params).token_ids for ids in prompts]
@@ -210,7 +213,7 @@ def test_engine_prefix_reuse_on_the_fast_runner(dense):
     from ninfer.sampling import SamplingParams
 
     _, fast = dense
-    llm = LLM()
+    llm = LLM(device=DEVICE, dtype=torch.float32, runner="reference")
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     system = "You write short Python helpers."
     prompts = [llm.prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": question}],
