@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from ninfer.kernels.fp8_linear import FORMAT, fp8_linear_gemv, fp8_rows
+from ninfer.kernels.fp8_linear import FORMAT, fp8_block, fp8_linear_gemv, fp8_rows
 from ninfer.quant import codec_for
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
@@ -56,3 +56,6 @@ def test_fp8_gather_and_rows():
         assert _relative(got[slot], expected) < TOLERANCE
     index = torch.tensor([5, 0, 95], device=DEVICE)
     assert torch.equal(fp8_rows(data, (experts * rows, k), index, torch.float32), weight[index])
+    scratch = torch.full((60 * k,), -1.0, device=DEVICE)
+    assert torch.equal(fp8_block(data, (experts * rows, k), 30, 50, scratch), weight[30:80])
+    assert scratch[50 * k :].eq(-1).all()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
-from ninfer.kernels.fp8_linear import fp8_linear_gemv, fp8_rows
+from ninfer.kernels.fp8_linear import fp8_block, fp8_linear_gemv, fp8_rows
 from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, dequantize, quant_linear_gemv, quant_linear_grouped
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
@@ -74,10 +74,7 @@ class PackedLinear:
         k = self.shape[1]
         scratch = self.scratch.get(rows * k)
         if not self.groupwise:
-            index = torch.arange(first_row, first_row + rows, device=self.data.device)
-            weight = scratch[: rows * k].view(rows, k)
-            weight.copy_(fp8_rows(self.data, self.shape, index, self.scratch.dtype))
-            return weight
+            return fp8_block(self.data, self.shape, first_row, rows, scratch)
         index = None
         if (first_row, rows) != (0, self.shape[0]):
             index = torch.arange(first_row, first_row + rows, device=self.data.device, dtype=torch.int32)

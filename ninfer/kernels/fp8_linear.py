@@ -9,7 +9,7 @@ owns BLOCK_N rows and walks K in BLOCK_K-byte tiles. The E4M3 → fp32 step is i
 (sign, exponent rebiased from 7 to 127, mantissa moved up; subnormals as m · 2⁻⁹), exact and the same on every
 GPU — no reliance on hardware FP8 conversion (sm_89+ only). T = 1 multiplies in fp32 and scales the row sum;
 T > 1 rounds the scaled weights to x's dtype and meets x through `tl.dot`.
-`fp8_rows`: rows of W decoded in torch (embedding lookups, dequantized prefill blocks).
+`fp8_rows` / `fp8_block`: rows of W decoded in torch (embedding lookups; the prefill route's scratch).
 """
 
 from __future__ import annotations
@@ -115,6 +115,20 @@ def fp8_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int],
                            GATHER=experts is not None, X_PER_SLOT=x_per_slot, IEEE=x.dtype == torch.float32,
                            num_warps=4)
     return out
+
+
+def fp8_block(data: torch.Tensor, shape: tuple[int, int], first_row: int, rows: int, out: torch.Tensor) -> torch.Tensor:
+    """W[first_row : first_row + rows] decoded into `out` (≥ rows · K elements of the activation dtype), code ×
+    row scale in fp32 rounded once, a few million values at a time (the prefill route's scratch)."""
+    codes, scales = _split(data, shape)
+    k = shape[1]
+    block = out[: rows * k].view(rows, k)
+    step = max(1, (1 << 22) // k)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        picked = codes.view(shape)[first_row + start : first_row + stop].view(torch.float8_e4m3fn).float()
+        block[start:stop] = picked * scales[first_row + start : first_row + stop].float()[:, None]
+    return block
 
 
 def fp8_rows(data: torch.Tensor, shape: tuple[int, int], rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
