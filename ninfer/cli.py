@@ -116,7 +116,7 @@ def _add_run_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                      help="compute dtype (default auto: fp32 on the CPU, bf16 on CUDA)")
     run.add_argument("--print-token-ids", action="store_true", help="print the generated ids after the text")
-    _add_path_flags(run)
+    _add_runner_flags(run)
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -125,7 +125,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (with no MODEL: the "
                                               "embedded demo model)")
     add_arguments(serve, _positive_int)
-    _add_path_flags(serve)
+    _add_runner_flags(serve)
 
 
 def _add_eval_parsers(commands: argparse._SubParsersAction) -> None:
@@ -167,12 +167,12 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("-b", "--batch-sizes", type=_int_list, default=[1, 2, 4, 8], help="default 1,2,4,8")
     bench.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     bench.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
-    _add_path_flags(bench)
+    _add_runner_flags(bench)
     bench.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _add_path_flags(parser: argparse.ArgumentParser) -> None:
-    """The execution path and the fast path's KV options (shared by run, bench and serve)."""
+def _add_runner_flags(parser: argparse.ArgumentParser) -> None:
+    """The runner and the fast path's KV and prefill options (shared by run, bench and serve)."""
     parser.add_argument("--runner", choices=["auto", "fast", "reference"], default="auto",
                         help="auto: the GPU fast path on CUDA when the model suits it (default), else the reference")
     parser.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="bf16",

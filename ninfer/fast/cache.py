@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -120,7 +120,6 @@ class SlotState:
     capacity: int
     pages: list[int]
     length: int = 0
-    cache: SequenceCache | None = field(default=None, repr=False)
     pending: int = 0  # draft tokens of a verify step not yet accepted or rejected
 
 
@@ -210,7 +209,7 @@ class SequenceCache:
         self.block_tables[slot].copy_(row)
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
-        state = SlotState(slot, capacity, pages, cache=self)
+        state = SlotState(slot, capacity, pages)
         weakref.finalize(state, self._release, slot, pages)  # `pages` is the state's own (mutable) list
         return state
 

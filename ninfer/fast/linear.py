@@ -21,6 +21,15 @@ from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
 
 
+def is_groupwise(fmt: str) -> bool:
+    return isinstance(codec_for(fmt), GroupwiseCodec)
+
+
+def is_packed(fmt: str) -> bool:
+    """Whether matrices of `fmt` stay in their stored bytes on this path (groupwise and FP8 rows)."""
+    return is_groupwise(fmt) or fmt == FP8_FORMAT
+
+
 class Scratch:
     """One growable buffer in the activation dtype shared by every prefill dequantization (one matrix is live at a
     time); the activation dtype is also what non-packed weights are kept in."""
@@ -43,8 +52,8 @@ class PackedLinear:
         self.shape = (int(shape[0]), int(shape[1]))
         self.format = fmt
         self.scratch = scratch
-        self.groupwise = isinstance(codec_for(fmt), GroupwiseCodec)
-        self.packed = self.groupwise or fmt == FP8_FORMAT
+        self.groupwise = is_groupwise(fmt)
+        self.packed = is_packed(fmt)
         if self.packed:
             self.data = data
             self.weight = None

@@ -26,9 +26,8 @@ from tqdm import tqdm
 from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
-from ninfer.fast.linear import PackedLinear, Scratch
+from ninfer.fast.linear import PackedLinear, Scratch, is_packed
 from ninfer.kernels.conv1d import causal_conv1d
-from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
 from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
@@ -36,8 +35,6 @@ from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.kernels.quant_linear import INTERPRETED, group_pairs
 from ninfer.model.config import FULL_ATTENTION, TextConfig
-from ninfer.quant import codec_for
-from ninfer.quant.groupwise import GroupwiseCodec
 
 try:  # flash-linear-attention: the chunked delta rule for long prefills (optional GPU dependency)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -52,7 +49,7 @@ MAX_GATHERED_PAIRS = 128  # a prefill chunk of up to this many (token, expert) p
 
 def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
     """Device bytes of an object on this path: packed formats as stored, the rest as bf16 matrices / as is."""
-    if isinstance(codec_for(fmt), GroupwiseCodec) or fmt == FP8_FORMAT or len(shape) != 2:
+    if is_packed(fmt) or len(shape) != 2:
         return stored
     return math.prod(shape) * 2
 
@@ -305,22 +302,31 @@ class FastQwen35:
             x, h = add_rms_norm(x, self._mlp(h, prefix, decode), self.vectors[following], c.rms_eps)
         return h
 
-    def _attention_decode(self, h: torch.Tensor, layer: int, positions: torch.Tensor, lengths: torch.Tensor,
-                          tables: torch.Tensor) -> torch.Tensor:
+    def _attention_inputs(self, h: torch.Tensor, layer: int, positions: torch.Tensor,
+                          tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """An attention layer up to its scores, for T rows at `positions`: the query/key and gate/value
+        projections, q/k norm + rotary, and the new keys and values written into the pages of `tables` `[T, ·]`.
+        Returns q `[T, heads, hd]`, the output gate `[T, heads·hd]` and the layer's (key, value, scale) pools."""
         c, cache = self.config, self.cache
         prefix = f"layers/{layer}/attention/"
-        batch, q_rows = h.shape[0], c.heads * c.head_dim
+        q_rows = c.heads * c.head_dim
         query_key = self.linears[prefix + "query_key"](h)
         gate_value = self.linears[prefix + "gate_value"](h)
         q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
                             positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
-        v = gate_value[:, q_rows:].view(batch, c.kv_heads, c.head_dim)
+        v = gate_value[:, q_rows:].view(h.shape[0], c.kv_heads, c.head_dim)
         pools = (cache.key_pages[layer], cache.value_pages[layer], cache.key_scales.get(layer),
                  cache.value_scales.get(layer))
         write_kv(k, v, *pools, tables, positions)
+        return q, gate_value[:, :q_rows], pools
+
+    def _attention_decode(self, h: torch.Tensor, layer: int, positions: torch.Tensor, lengths: torch.Tensor,
+                          tables: torch.Tensor) -> torch.Tensor:
+        c, cache = self.config, self.cache
+        q, gate, pools = self._attention_inputs(h, layer, positions, tables)
         o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
                                    max_length=cache.max_pages * cache.page)
-        return self.linears[prefix + "output"](sigmoid_mul(o.view(batch, q_rows), gate_value[:, :q_rows]))
+        return self.linears[f"layers/{layer}/attention/output"](sigmoid_mul(o.view(h.shape[0], -1), gate))
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
                     snapshots: torch.Tensor | None = None) -> torch.Tensor:
@@ -403,16 +409,9 @@ class FastQwen35:
     def _attention_prefill(self, h: torch.Tensor, layer: int, state: SlotState,
                            positions: torch.Tensor) -> torch.Tensor:
         c, cache = self.config, self.cache
-        prefix = f"layers/{layer}/attention/"
-        tokens, q_rows = h.shape[0], c.heads * c.head_dim
-        query_key = self.linears[prefix + "query_key"](h)
-        gate_value = self.linears[prefix + "gate_value"](h)
-        q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
-                            positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
-        v = gate_value[:, q_rows:].view(tokens, c.kv_heads, c.head_dim)
+        tokens = h.shape[0]
         tables = cache.block_tables[state.slot : state.slot + 1].expand(tokens, -1)
-        write_kv(k, v, cache.key_pages[layer], cache.value_pages[layer], cache.key_scales.get(layer),
-                 cache.value_scales.get(layer), tables, positions)
+        q, gate, _ = self._attention_inputs(h, layer, positions, tables)
         start = state.length
         keys, values = cache.dense_kv(layer, state, start + tokens, q.dtype)
         mask = None
@@ -422,8 +421,8 @@ class FastQwen35:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                            values.transpose(0, 1)[None], attn_mask=mask, is_causal=not start,
                                            scale=c.head_dim**-0.5, enable_gqa=True)
-        o = o[0].transpose(0, 1).reshape(tokens, q_rows)
-        return self.linears[prefix + "output"](sigmoid_mul(o, gate_value[:, :q_rows]))
+        o = o[0].transpose(0, 1).reshape(tokens, -1)
+        return self.linears[f"layers/{layer}/attention/output"](sigmoid_mul(o, gate))
 
     def _gdn_prefill(self, h: torch.Tensor, layer: int, state: SlotState) -> torch.Tensor:
         c, cache = self.config, self.cache

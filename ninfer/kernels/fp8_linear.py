@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.kernels.quant_linear import INTERPRETED
+from ninfer.kernels.quant_linear import INTERPRETED, gemv_rows
 from ninfer.quant import codec_for
 
 try:  # Triton is optional: the CPU path never needs it
@@ -46,18 +46,8 @@ if triton is not None:
     def _fp8_gemv_kernel(x_ptr, code_ptr, scale_ptr, out_ptr, expert_ptr, T, N, K, stride_x, stride_out,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GATHER: tl.constexpr,
                          X_PER_SLOT: tl.constexpr, IEEE: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
-        if GATHER:
-            slot = tl.program_id(1)
-            wrows = tl.load(expert_ptr + slot).to(tl.int64) * N + safe_rows
-            x_base = x_ptr + (slot // X_PER_SLOT) * stride_x
-            out_base = out_ptr + slot * stride_out
-        else:
-            wrows = safe_rows
-            x_base = x_ptr
-            out_base = out_ptr
+        rows, row_ok, _, wrows, x_base, out_base = gemv_rows(x_ptr, out_ptr, expert_ptr, N, stride_x, stride_out,
+                                                             BLOCK_N, GATHER, X_PER_SLOT)
         lanes = tl.arange(0, BLOCK_K)
         scale = tl.load(scale_ptr + wrows).to(tl.float32)
         if BLOCK_T == 1:

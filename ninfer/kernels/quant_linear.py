@@ -84,19 +84,14 @@ if triton is not None:
         return words, high, scale
 
     @triton.jit
-    def _gemv_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr,
-                     T, N, k_pad, row_words, high_row_units, gpr, stride_x, stride_out, num_experts,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr, X_PER_SLOT: tl.constexpr,
-                     IEEE: tl.constexpr):
-        LPW: tl.constexpr = 4 if BITS == 8 else 8  # lanes per 32-bit base word
-        WORDS: tl.constexpr = BLOCK_K // LPW
-        WPG: tl.constexpr = GROUP // LPW  # words per group (8 in every format)
-        NG: tl.constexpr = BLOCK_K // GROUP
+    def gemv_rows(x_ptr, out_ptr, expert_ptr, N, stride_x, stride_out, BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
+                  X_PER_SLOT: tl.constexpr):
+        """The output rows of a GEMV program and where they live: (rows, row_ok, safe_rows clamped into [0, N) for
+        unmasked, vectorisable loads — the store masks —, the weight rows (with GATHER, program_id(1) is an
+        output slot whose expert `expert_ptr[slot]` offsets them by expert · N), x's row and the output row)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)  # unmasked (vectorisable) loads; the store masks
-        w_idx = tl.arange(0, WORDS)
+        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
         if GATHER:
             slot = tl.program_id(1)
             wrows = tl.load(expert_ptr + slot).to(tl.int64) * N + safe_rows
@@ -106,6 +101,21 @@ if triton is not None:
             wrows = safe_rows
             x_base = x_ptr
             out_base = out_ptr
+        return rows, row_ok, safe_rows, wrows, x_base, out_base
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr,
+                     T, N, k_pad, row_words, high_row_units, gpr, stride_x, stride_out, num_experts,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr, X_PER_SLOT: tl.constexpr,
+                     IEEE: tl.constexpr):
+        LPW: tl.constexpr = 4 if BITS == 8 else 8  # lanes per 32-bit base word
+        WORDS: tl.constexpr = BLOCK_K // LPW
+        WPG: tl.constexpr = GROUP // LPW  # words per group (8 in every format)
+        NG: tl.constexpr = BLOCK_K // GROUP
+        rows, row_ok, safe_rows, wrows, x_base, out_base = gemv_rows(x_ptr, out_ptr, expert_ptr, N, stride_x,
+                                                                     stride_out, BLOCK_N, GATHER, X_PER_SLOT)
+        w_idx = tl.arange(0, WORDS)
         if BLOCK_T == 1:
             acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
             for k0 in tl.range(0, k_pad, BLOCK_K):
