@@ -34,6 +34,7 @@ from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.kernels.quant_linear import INTERPRETED, group_pairs
+from ninfer.kernels.rope import rope_inv_freq
 from ninfer.model.config import FULL_ATTENTION, TextConfig
 
 try:  # flash-linear-attention: the chunked delta rule for long prefills (optional GPU dependency)
@@ -83,9 +84,7 @@ class FastQwen35:
         self.dtype = dtype
         self.prefill_chunk = prefill_chunk
         self.head = linears["output_head"] if "output_head" in linears else linears["token_embedding"]
-        c = config
-        self.inv_freq = (1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float)
-                                                 / c.rotary_dim))).to(self.device)
+        self.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta).to(self.device)
         self.max_batch = cache.slots
         self.buckets = [b for b in DEFAULT_BUCKETS if b < self.max_batch] + [self.max_batch]
         self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths

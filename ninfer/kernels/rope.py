@@ -19,6 +19,11 @@ def _mrope_axis(num_freqs: int, mrope_section: list[int]) -> Tensor:
     return axis
 
 
+def rope_inv_freq(rotary_dim: int, theta: float) -> Tensor:
+    """`1 / theta^(2j / rotary_dim)` for j < rotary_dim / 2, fp32, computed on the CPU as transformers does."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
 def rope_cos_sin(
     positions: Tensor,
     rotary_dim: int,
@@ -39,8 +44,7 @@ def rope_cos_sin(
     """
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rope_cos_sin: rotary_dim must be a positive even number, got {rotary_dim}")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-    inv_freq = inv_freq.to(positions.device)
+    inv_freq = rope_inv_freq(rotary_dim, theta).to(positions.device)
     if positions.dim() == 1:
         per_freq_pos = positions[None, :].expand(rotary_dim // 2, -1)  # [R/2, T]
     elif positions.dim() == 2 and positions.shape[0] == 3:
