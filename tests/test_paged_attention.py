@@ -170,7 +170,8 @@ def paged_cache(dense: torch.Tensor, lengths: list[int], kv_dtype: torch.dtype, 
 DECODE_CASES = {  # name: (heads, kv_heads, head_dim, page, lengths, max_pages, max_length)
     "gqa2 page16 two splits": (4, 2, 64, 16, [1, 17, 40], 4, None),
     "gqa6 page64 three splits": (6, 1, 128, 64, [5, 130], 3, None),
-    "batch8 one split": (4, 2, 64, 16, [1, 2, 15, 16, 17, 33, 48, 64], 4, None),
+    "batch8": (4, 2, 64, 16, [1, 2, 15, 16, 17, 33, 48, 64], 4, None),
+    "one tile, one split on any device": (4, 2, 64, 16, [1, 9, 16], 2, 16),
     "max_length below the table": (8, 2, 64, 16, [48, 7, 31], 6, 48),
 }
 
