@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ninfer.kernels import fp8_linear, fused, gdn_decode, paged_attention, quant_linear
+from ninfer.kernels import activation_quant, fp8_linear, fused, gdn_decode, paged_attention, quant_linear
 from ninfer.quant import codec_for
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.uint8: "u8",
@@ -53,8 +53,11 @@ class _Recorder:
         return record
 
 
-def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict]:
-    signature, constexprs = {}, {}
+def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict, dict]:
+    """Triton's signature, constexprs and attributes for the recorded values, specialised as a launch would be:
+    tensors and integers divisible by 16 are declared so (`tt.divisibility`), which decides vector loads."""
+    signature, constexprs, attrs = {}, {}, {}
+    aligned = [["tt.divisibility", 16]]
     for index, param in enumerate(kernel.params):
         value = values[param.name]
         if param.is_constexpr:
@@ -62,18 +65,21 @@ def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict]:
             constexprs[(index,)] = value
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + TYPES[value.dtype]
+            attrs[(index,)] = aligned
         elif isinstance(value, bool):
             signature[param.name] = "i1"
         elif isinstance(value, int):
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(index,)] = aligned
         else:
             signature[param.name] = "fp32"
-    return signature, constexprs
+    return signature, constexprs, attrs
 
 
 def _record_all() -> None:
     """Call every wrapper the fast path uses, in the variants it uses (formats, T, gather, KV dtypes)."""
-    for module in (quant_linear, fp8_linear, fused, gdn_decode, paged_attention):
+    for module in (activation_quant, quant_linear, fp8_linear, fused, gdn_decode, paged_attention):
         for name in dir(module):
             if name.startswith("_") and name.endswith("_kernel"):
                 setattr(module, name, _Recorder(module, name))
@@ -153,10 +159,10 @@ def main() -> int:
     for capability in (int(c) for c in args.targets.split(",")):
         target = GPUTarget("cuda", capability, 32)
         for name, kernel, values, options in launches:
-            signature, constexprs = _signature(kernel, values)
+            signature, constexprs, attrs = _signature(kernel, values)
             label = ", ".join(f"{k}={v}" for k, v in values.items() if (kernel.arg_names.index(k),) in constexprs)
             try:
-                compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target,
+                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                           options={"num_warps": options.get("num_warps", 4)})
                 extra = _resources(compiled.asm["cubin"]) if args.resources else ""
                 print(f"sm_{capability} ok      {name}({label}){extra}")

@@ -1,7 +1,9 @@
 """The GPU fast path's model runner against the reference model in fp32 — on the CPU under the Triton interpreter
 (CI), on CUDA when there is one: chunked prefill, batched decode, the MoE routes, quantized KV pages, prefix
-snapshots with shared pages, verify steps, the memory plan and slot accounting. The same comparisons at real
-shapes on CUDA are in tests/test_fast_runner_gpu.py."""
+snapshots with shared pages, verify steps, the memory plan and slot accounting. Prefill is compared with the
+reference as it is; decode steps with the reference whose groupwise products see int8 activations
+(tests/fast_support.py), as the fast path's integer GEMV does. The same comparisons at real shapes on CUDA are in
+tests/test_fast_runner_gpu.py."""
 
 from __future__ import annotations
 
@@ -15,15 +17,19 @@ pytest.importorskip("triton")
 
 from ninfer.artifact.reader import Artifact
 from ninfer.fast.cache import CacheFullError, MemoryPlanError, plan_memory
-from ninfer.fast.runner import MAX_GATHERED_PAIRS, FastQwen35
+from ninfer.fast.runner import FastQwen35
 from ninfer.model.config import TextConfig
 from ninfer.model.qwen3_5 import Qwen35Model
+from tests.fast_support import int8_activations
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
 DENSE = "ninfer/assets/demo.ninfer"
 MOE = "data/models/small-moe-q8.ninfer"
 FP32_TOLERANCE = 1e-4  # relative to the largest logit: fp32 on both sides, summation orders differ
 QUANTIZED_KV_TOLERANCE = {"int8": 0.03, "fp8": 0.1}  # KV rounding, relative to the largest logit
+# the same tokens decoded in other batches: attention splits the keys differently (rounding-level differences), and
+# an int8 activation code that sits on a rounding boundary can flip, which moves the logits by up to ~1 %
+BATCH_VARIANCE_TOLERANCE = 0.02
 PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3, 8, 12, 13, 40, 41, 42, 43, 44, 45, 46, 47, 48, 200, 201, 202]
 
 
@@ -54,7 +60,8 @@ def test_chunked_prefill_and_batched_decode_equal_the_reference(dense):
         assert _relative(g, e) < FP32_TOLERANCE
     for step in range(2):
         tokens = torch.tensor([int(e.argmax()) for e in expected])
-        expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
+        with int8_activations(reference, DENSE):
+            expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
         got = fast.decode_batch(fast_states, tokens)
         for row, e in enumerate(expected):
             assert _relative(got[row], e) < FP32_TOLERANCE, f"decode step {step}, sequence {row}"
@@ -91,24 +98,27 @@ def test_slots_are_bounded_and_returned_when_a_state_is_dropped(dense):
 
 
 def test_moe_prefill_and_decode_routes_equal_the_reference():
-    reference, fast = _models(MOE, max_sequences=2, prefill_chunk=96)
-    prompt = torch.tensor(PROMPT * 3)  # 69 tokens × top-2 = 138 pairs > MAX_GATHERED_PAIRS: the grouped route
-    assert prompt.numel() * reference.config.top_k > MAX_GATHERED_PAIRS
+    reference, fast = _models(MOE, max_sequences=2, prefill_chunk=60)
+    prompt = torch.tensor(PROMPT * 3)  # chunks of 60 and 9 tokens: the grouped route for both
     ref_state, fast_state = reference.new_state(96), fast.new_state(96)
     expected, got = reference.forward(prompt, ref_state), fast.forward(prompt, fast_state)
     assert _relative(got, expected) < FP32_TOLERANCE
-    token = torch.tensor([int(expected.argmax())])
-    assert _relative(fast.forward(token, fast_state), reference.forward(token, ref_state)) < FP32_TOLERANCE
+    token = torch.tensor([int(expected.argmax())])  # a decode step: experts gathered per token
+    with int8_activations(reference, MOE):
+        expected = reference.forward(token, ref_state)
+    assert _relative(fast.forward(token, fast_state), expected) < FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_kv_stays_close_to_the_reference(kv_dtype):
     reference, fast = _models(DENSE, max_sequences=1, kv_dtype=kv_dtype)
     ref_state, fast_state = reference.new_state(64), fast.new_state(64)
-    expected, got = reference.forward(torch.tensor(PROMPT), ref_state), fast.forward(torch.tensor(PROMPT), fast_state)
+    expected = reference.forward(torch.tensor(PROMPT), ref_state)
+    fast.forward(torch.tensor(PROMPT), fast_state)
     token = torch.tensor([int(expected.argmax())])
-    expected, got = reference.forward(token, ref_state), fast.forward(token, fast_state)
-    error = _relative(got, expected)
+    with int8_activations(reference, DENSE):
+        expected = reference.forward(token, ref_state)
+    error = _relative(fast.forward(token, fast_state), expected)
     assert 0 < error < QUANTIZED_KV_TOLERANCE[kv_dtype]  # nonzero: the pages really are quantized
 
 
@@ -182,7 +192,9 @@ def test_every_recipe_runs_on_the_fast_path(tmp_path, monkeypatch, recipe):
     ref_state, fast_state = reference.new_state(32), fast.new_state(32)
     assert _relative(fast.forward(prompt, fast_state), reference.forward(prompt, ref_state)) < FP32_TOLERANCE
     token = torch.tensor([7])
-    assert _relative(fast.forward(token, fast_state), reference.forward(token, ref_state)) < FP32_TOLERANCE
+    with int8_activations(reference, path):
+        expected = reference.forward(token, ref_state)
+    assert _relative(fast.forward(token, fast_state), expected) < FP32_TOLERANCE
 
 
 def test_runner_choice_and_its_errors():
@@ -255,11 +267,14 @@ def test_verify_equals_token_by_token_decode_and_accept_resumes(path):
         fast.decode_batch(verified, drafts[:, 0])
     fast.accept(verified, [1, 3])  # sequence 0 keeps one draft, sequence 1 all three
     assert [s.length for s in verified] == [10, 8]
-    reference = [fast.new_state(32) for _ in prompts]
+    reference = [fast.new_state(32) for _ in prompts]  # the prompt, then the kept drafts one decode step each
     for b, kept in enumerate((1, 3)):
-        fast.forward(torch.cat([prompts[b], drafts[b, :kept]]), reference[b])
+        fast.forward(prompts[b], reference[b])
+        for draft in drafts[b, :kept]:
+            fast.decode_batch([reference[b]], draft[None])
     nxt = torch.tensor([30, 31])
-    assert _relative(fast.decode_batch(verified, nxt), fast.decode_batch(reference, nxt)) < FP32_TOLERANCE
+    got, expected = fast.decode_batch(verified, nxt), fast.decode_batch(reference, nxt)
+    assert _relative(got, expected) < BATCH_VARIANCE_TOLERANCE
     with pytest.raises(ValueError, match=r"1\.\.3 tokens"):
         fast.verify(verified, torch.zeros((2, 4), dtype=torch.long))
 

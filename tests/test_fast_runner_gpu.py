@@ -1,6 +1,8 @@
 """The fast path on CUDA (`pytest -m gpu`): logits against the reference model on 4-layer slices of the
 qwen3.8-27b and qwen3.6-35b-a3b presets at their real widths (q4 recipe), CUDA-graph replay equal to eager
-decode for each KV dtype, and a long greedy generation equal between the fast path and the reference.
+decode for each KV dtype, a long greedy generation equal between the fast path and the reference, and what the
+int8 activations of decode steps cost against the exact model. Decode steps are compared with the reference whose
+groupwise products see int8 activations (tests/fast_support.py), as the integer GEMV does.
 
 The model comparisons run both paths in fp32: random-weight models at these widths are so sensitive that the
 reference in bf16 is itself 3-28 % (of the largest logit) away from the reference in fp32 (MoE routing flips
@@ -15,10 +17,14 @@ import torch
 from ninfer.artifact.reader import Artifact
 from ninfer.fast.runner import FastQwen35
 from ninfer.model.qwen3_5 import Qwen35Model
+from tests.fast_support import int8_activations
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 FP32_TOLERANCE = 1e-3  # relative to the largest logit: fp32 on both paths, summation orders differ
+# decode steps of the random-weight slices against the int8 oracle: a code on a rounding boundary flips on the
+# rounding-level differences of the two paths, and these models amplify it (see above)
+DECODE_TOLERANCE = 0.05
 DEMO = "ninfer/assets/demo.ninfer"
 
 
@@ -36,11 +42,11 @@ def sliced(request, tmp_path_factory):
         reference = Qwen35Model.from_artifact(artifact, "cuda", torch.float32)
         fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=2048, prefill_chunk=256,
                                         dtype=torch.float32)
-    return reference, fast
+    return reference, fast, str(path)
 
 
 def test_real_shape_slice_prefill_and_batched_decode(sliced):
-    reference, fast = sliced
+    reference, fast, path = sliced
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 248_000, (n,), generator=generator) for n in (300, 7)]
     ref_states = [reference.new_state(512) for _ in prompts]
@@ -51,10 +57,11 @@ def test_real_shape_slice_prefill_and_batched_decode(sliced):
         assert _relative(g, e) < FP32_TOLERANCE
     for step in range(4):
         tokens = torch.stack([e.argmax() for e in expected])
-        expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
+        with int8_activations(reference, path):  # decode steps: the integer GEMV's numerics
+            expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
         got = fast.decode_batch(fast_states, tokens)
         for row, e in enumerate(expected):
-            assert _relative(got[row], e) < FP32_TOLERANCE, f"step {step} sequence {row}"
+            assert _relative(got[row], e) < DECODE_TOLERANCE, f"step {step} sequence {row}"
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
@@ -85,13 +92,35 @@ def test_long_greedy_generation_equals_the_reference():
         state = model.new_state(512)
         logits = model.forward(prompt, state)
         out = []
-        for _ in range(200):
-            out.append(int(logits.argmax()))
-            logits = model.forward(torch.tensor(out[-1:], device="cuda"), state)
+        with int8_activations(reference, DEMO):  # decode steps: the integer GEMV's numerics
+            for _ in range(200):
+                out.append(int(logits.argmax()))
+                logits = model.forward(torch.tensor(out[-1:], device="cuda"), state)
         tokens[model] = out
     pairs = enumerate(zip(tokens[reference], tokens[fast], strict=True))
     agree = next((i for i, (a, b) in pairs if a != b), 200)
     assert agree == 200, f"greedy tokens diverge at step {agree}"
+
+
+def test_int8_activations_keep_the_exact_models_next_token_choices():
+    """What the integer GEMV costs in quality: teacher-forced over 300 tokens of its own greedy text, the fast path's
+    decode steps (bf16, int8 activations) against the exact fp32 reference: top-1 agreement and the mean KL
+    divergence of the next-token distributions."""
+    with Artifact.open(DEMO) as artifact:
+        reference = Qwen35Model.from_artifact(artifact, "cuda", torch.float32)
+        fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=1, max_context=512)
+    ref_state, fast_state = reference.new_state(512), fast.new_state(512)
+    reference.forward(torch.arange(1, 11, device="cuda"), ref_state)
+    fast.forward(torch.arange(1, 11, device="cuda"), fast_state)
+    token, agree, divergence = torch.tensor([11], device="cuda"), 0, 0.0
+    for _ in range(300):
+        expected, got = reference.forward(token, ref_state), fast.forward(token, fast_state).float()
+        agree += int(expected.argmax() == got.argmax())
+        divergence += float(torch.nn.functional.kl_div(got.log_softmax(-1), expected.log_softmax(-1), log_target=True,
+                                                       reduction="sum"))
+        token = expected.argmax()[None]
+    print(f"int8 activations: top-1 agreement {agree / 300:.3f}, mean KL {divergence / 300:.2e}")
+    assert agree >= 0.95 * 300 and divergence / 300 < 0.01
 
 
 def test_prefill_delta_rule_in_bf16_matches_the_fp32_reference():

@@ -1,5 +1,8 @@
-"""The Triton groupwise GEMV and dequantizer against the exact reference (decode + fp32 matmul), under the Triton
-interpreter on the CPU (tests/conftest.py switches it on); real shapes on CUDA are in tests/test_quant_linear_gpu.py."""
+"""The Triton groupwise GEMV (integer products over int8 activations), the activation quantizer and the dequantizer
+against their torch references, under the Triton interpreter on the CPU (tests/conftest.py switches it on); real
+shapes on CUDA are in tests/test_quant_linear_gpu.py. The GEMV's oracle is the exact decoded matrix times x's int8
+image in float64 (the integer dot products are exact, only the fp32 scaling differs); a second test bounds what the
+int8 activations cost against the exact product."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from ninfer.kernels.activation_quant import dequantize_activations, quantize_activations, quantize_activations_reference
 from ninfer.kernels.quant_linear import (
     dequantize,
     group_pairs,
@@ -20,7 +24,7 @@ from ninfer.kernels.quant_linear import (
 from ninfer.quant import codec_for
 
 FORMATS = ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"]
-RELATIVE_TOLERANCE = 1e-5  # fp32 on both sides; only the summation order differs
+RELATIVE_TOLERANCE = 1e-5  # fp32 against float64 over the same values; only rounding and order differ
 BF16_ULP = 2.0**-7
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
 
@@ -35,15 +39,64 @@ def _relative(got, expected):
     return float((got - expected).abs().max() / expected.abs().max())
 
 
+def test_activation_quantizer_equals_its_reference_bit_for_bit():
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 200, generator=generator) * torch.logspace(-3, 3, 200)  # blocks of very different scales
+    x[1, 64:96] = 0  # an all-zero block: scale 0, codes 0
+    x[2, 5] = 1e4  # one outlier dominates its block
+    x = x.to(DEVICE)
+    got, expected = quantize_activations(x), quantize_activations_reference(x)
+    assert got.blocks.shape == (3, 256 // 32, 12)  # K padded to 256 lanes
+    assert torch.equal(got.blocks, expected.blocks)
+    lanes = dequantize_activations(got)
+    assert torch.equal(lanes[:, 200:], torch.zeros_like(lanes[:, 200:]))
+    error = (lanes[:, :200] - x).abs().view(3, -1)  # at most half a step of each lane's block
+    steps = got.scales.repeat_interleave(32, dim=1)[:, :200]
+    assert bool((error <= steps / 2 * (1 + 1e-6)).all())
+    assert float(got.scales[1, 2]) == 0 and int(got.sums[1, 2]) == 0
+
+
+def test_high_bit_spreads_place_every_pattern():
+    """The q5 / q6 high-bit multiplies of `_weight_quads` (constants below as written there): every high unit's
+    bits land on bit 4 (q5) or bits 4-5 (q6) of their lane's byte in the even / odd quad, and nowhere else."""
+    for h in range(256):  # q5: bit i of the byte is bit 4 of lane i
+        even = ((h & 0x55) * 0x410410) & 0x10101010
+        odd = ((h & 0xAA) * 0x208208) & 0x10101010
+        assert even == sum(((h >> (2 * j)) & 1) << (8 * j + 4) for j in range(4))
+        assert odd == sum(((h >> (2 * j + 1)) & 1) << (8 * j + 4) for j in range(4))
+
+    def spread(h):  # q6: bits (4j, 4j + 1) to bits (8j + 4, 8j + 5)
+        return (((h & 0x0303) * 0x1010) & 0x00300030) | (((h & 0x3030) * 0x10100) & 0x30003000)
+
+    for h in range(1 << 16):
+        assert spread(h) == sum(((h >> (4 * j)) & 3) << (8 * j + 4) for j in range(4))
+        assert spread(h >> 2) == sum(((h >> (4 * j + 2)) & 3) << (8 * j + 4) for j in range(4))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("tokens", "n", "k", "block_k"), [(1, 40, 130, 256), (1, 24, 1024, 512), (3, 64, 256, 256),
-                                                          (16, 70, 64, 128), (2, 40, 640, 128)])
+@pytest.mark.parametrize(("tokens", "n", "k", "block_k"), [(1, 40, 130, None), (1, 24, 1024, 512), (3, 64, 256, 256),
+                                                          (16, 70, 64, None), (2, 40, 640, 128)])
 def test_gemv_equals_the_reference(fmt, tokens, n, k, block_k):
     data, generator = _matrix(fmt, n, k, n * k + tokens)
     x = torch.randn(tokens, k, generator=generator).to(DEVICE)
-    expected = quant_linear_reference(x, data, (n, k), fmt)
+    expected = quant_linear_reference(x, data, (n, k), fmt, int8_activations=True)
     got = quant_linear_gemv(x, data, (n, k), fmt, block_n=16, block_k=block_k)
     assert _relative(got, expected) < RELATIVE_TOLERANCE, f"{fmt} T={tokens} [{n}, {k}]"
+    exact = quant_linear_reference(x, data, (n, k), fmt)  # what int8 activations cost: about 0.5 % here
+    assert float((got - exact).norm() / exact.norm()) < 0.015
+
+
+@pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"])
+def test_gemv_gives_a_token_the_same_bits_at_any_token_count(fmt):
+    """Speculative verify (T tokens) must not change greedy decoding (T = 1): every row of a T-token product is
+    the single-token product's bits, whatever the row tile."""
+    n, k = 50, 1024
+    data, generator = _matrix(fmt, n, k, 5)
+    x = torch.randn(11, k, generator=generator).to(DEVICE)
+    single = torch.cat([quant_linear_gemv(x[t : t + 1], data, (n, k), fmt) for t in range(11)])
+    for tokens, block_n in ((11, None), (4, 8), (2, 32)):
+        got = quant_linear_gemv(x[:tokens], data, (n, k), fmt, block_n=block_n)
+        assert torch.equal(got, single[:tokens]), f"T={tokens}"
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])
@@ -53,11 +106,13 @@ def test_gathered_gemv_uses_each_slots_expert_and_input_row(fmt, x_per_slot):
     data, generator = _matrix(fmt, experts * rows, k, 7 + x_per_slot)
     chosen = torch.tensor([3, 0, 3, 4], dtype=torch.int32)
     x = torch.randn(chosen.numel() // x_per_slot, k, generator=generator).to(DEVICE)
-    got = quant_linear_gemv(x, data, (experts * rows, k), fmt, block_n=16, experts=chosen.to(DEVICE), expert_rows=rows,
-                           x_per_slot=x_per_slot)
+    acts = quantize_activations(x)  # as the runner passes it: quantized once for several matrices
+    got = quant_linear_gemv(acts, data, (experts * rows, k), fmt, block_n=16, experts=chosen.to(DEVICE),
+                            expert_rows=rows, x_per_slot=x_per_slot)
     weight = codec_for(fmt).decode(data, (experts * rows, k)).view(experts, rows, k)
+    lanes = dequantize_activations(acts)[:, :k].double()
     for slot, expert in enumerate(chosen.tolist()):
-        expected = x[slot // x_per_slot].float() @ weight[expert].T
+        expected = (lanes[slot // x_per_slot] @ weight[expert].double().T).float()
         assert _relative(got[slot], expected) < RELATIVE_TOLERANCE, f"slot {slot} (expert {expert})"
 
 
@@ -84,6 +139,8 @@ def test_gemv_refuses_what_it_does_not_do():
         quant_linear_gemv(torch.randn(17, 64), data, (8, 64), "q4_g64_fp16")
     with pytest.raises(ValueError, match="not a groupwise format"):
         quant_linear_gemv(torch.randn(1, 64), codec_for("bf16").encode(torch.randn(8, 64)), (8, 64), "bf16")
+    with pytest.raises(ValueError, match="x has 32 features, the matrix 64"):
+        quant_linear_gemv(torch.randn(1, 32), data, (8, 64), "q4_g64_fp16")
 
 
 def test_group_pairs_tiles_every_pair_once_with_its_expert():

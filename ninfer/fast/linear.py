@@ -1,9 +1,10 @@
 """A weight matrix of the GPU fast path, kept in its stored format on the device, and y = x · Wᵀ over it.
 
-Routes (chosen by the format and the number of tokens T):
-  * groupwise (q4/q5/q6/q8), T ≤ 16: the Triton GEMV, which reads the packed planes once (decode, verify);
-  * groupwise, T > 16: dequantize into a shared scratch buffer, then cuBLAS (prefill: the matmul dominates);
-    stacked MoE experts go through the grouped kernel in one launch;
+Routes (chosen by the format, the number of tokens T and what x is):
+  * groupwise (q4/q5/q6/q8), x given as `Int8Activations` (`shared_input`: decode and verify steps, T ≤ 16): the
+    integer Triton GEMV, which reads the packed planes once; an input read by several matrices is quantized once;
+  * groupwise, x a tensor (prefill, any T): dequantize into a shared scratch buffer, then cuBLAS (the matmul
+    dominates); stacked MoE experts go through the grouped kernel in one launch;
   * fp8 rows: the FP8 GEMV for T ≤ 16, rows decoded into the scratch buffer then cuBLAS for T > 16;
   * bf16: cuBLAS directly (fp32 artifacts are converted to the activation dtype at load).
 The output has x's dtype unless asked otherwise; MoE experts go through `gather`.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ninfer.kernels.activation_quant import Int8Activations, quantize_activations
 from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
 from ninfer.kernels.fp8_linear import fp8_block, fp8_linear_gemv, fp8_rows
 from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, dequantize, quant_linear_gemv, quant_linear_grouped
@@ -28,6 +30,14 @@ def is_groupwise(fmt: str) -> bool:
 def is_packed(fmt: str) -> bool:
     """Whether matrices of `fmt` stay in their stored bytes on this path (groupwise and FP8 rows)."""
     return is_groupwise(fmt) or fmt == FP8_FORMAT
+
+
+def shared_input(x: torch.Tensor, readers: list[PackedLinear]) -> torch.Tensor | Int8Activations:
+    """x prepared once for the matrices `readers` that all multiply it: its int8 image when some of them will take
+    the integer GEMV (T ≤ 16 and groupwise), else x."""
+    if x.shape[0] <= MAX_GEMV_TOKENS and any(reader.groupwise for reader in readers):
+        return quantize_activations(x)
+    return x
 
 
 class Scratch:
@@ -66,17 +76,18 @@ class PackedLinear:
         tensor = self.data if self.packed else self.weight
         return tensor.numel() * tensor.element_size()
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x `[T, K]` → `[T, N]` in `out_dtype` (default x's dtype)."""
-        out_dtype = out_dtype or x.dtype
+    def __call__(self, x: torch.Tensor | Int8Activations, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x `[T, K]` (or its `shared_input`) → `[T, N]` in `out_dtype` (default x's dtype)."""
+        source = x.source if isinstance(x, Int8Activations) else x
+        out_dtype = out_dtype or source.dtype
         if not self.packed:
-            return F.linear(x.to(self.weight.dtype), self.weight).to(out_dtype)
-        if x.shape[0] <= MAX_GEMV_TOKENS:
-            if not self.groupwise:
-                return fp8_linear_gemv(x, self.data, self.shape, out_dtype=out_dtype)
+            return F.linear(source.to(self.weight.dtype), self.weight).to(out_dtype)
+        if isinstance(x, Int8Activations) and self.groupwise:
             return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype)
+        if source.shape[0] <= MAX_GEMV_TOKENS and not self.groupwise:
+            return fp8_linear_gemv(source, self.data, self.shape, out_dtype=out_dtype)
         weight = self._decoded(0, self.shape[0])
-        return F.linear(x.to(weight.dtype), weight).to(out_dtype)
+        return F.linear(source.to(weight.dtype), weight).to(out_dtype)
 
     def _decoded(self, first_row: int, rows: int) -> torch.Tensor:
         """W[first_row : first_row + rows] in the activation dtype, in the scratch buffer."""
@@ -97,17 +108,20 @@ class PackedLinear:
             return fp8_rows(self.data, self.shape, index, self.scratch.dtype)
         return dequantize(self.data, self.shape, self.format, self.scratch.dtype, rows=index)
 
-    def gather(self, x: torch.Tensor, experts: torch.Tensor, expert_rows: int, x_per_slot: int) -> torch.Tensor:
+    def gather(self, x: torch.Tensor | Int8Activations, experts: torch.Tensor, expert_rows: int,
+               x_per_slot: int) -> torch.Tensor:
         """W stacks experts of `expert_rows` rows: row s of the result is x[s // x_per_slot] · W_{experts[s]}ᵀ."""
+        if self.groupwise:
+            dtype = x.source.dtype if isinstance(x, Int8Activations) else x.dtype
+            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=dtype, experts=experts,
+                                     expert_rows=expert_rows, x_per_slot=x_per_slot)
+        x = x.source if isinstance(x, Int8Activations) else x
         if not self.packed:
             stacked = self.weight.view(-1, expert_rows, self.shape[1])[experts]  # [S, rows, K]
             inputs = x.repeat_interleave(x_per_slot, dim=0) if x_per_slot > 1 else x
             return torch.bmm(stacked, inputs.to(stacked.dtype)[:, :, None])[:, :, 0].to(x.dtype)
-        if not self.groupwise:
-            return fp8_linear_gemv(x, self.data, self.shape, out_dtype=x.dtype, experts=experts,
-                                   expert_rows=expert_rows, x_per_slot=x_per_slot)
-        return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=x.dtype, experts=experts,
-                                 expert_rows=expert_rows, x_per_slot=x_per_slot)
+        return fp8_linear_gemv(x, self.data, self.shape, out_dtype=x.dtype, experts=experts, expert_rows=expert_rows,
+                               x_per_slot=x_per_slot)
 
     def grouped(self, x: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor], pairs: int, expert_rows: int,
                 x_per_pair: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
-from ninfer.fast.linear import PackedLinear, Scratch, is_packed
+from ninfer.fast.linear import PackedLinear, Scratch, is_packed, shared_input
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
@@ -44,8 +44,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's matrices that read its input
 MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the grouped MoE prefill
-MAX_GATHERED_PAIRS = 128  # a prefill chunk of up to this many (token, expert) pairs takes the decode MoE route
 
 
 def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
@@ -240,11 +240,11 @@ class FastQwen35:
         tables = self.cache.block_tables.index_select(0, slots).repeat_interleave(tokens, dim=0)
         x = self.linears["token_embedding"].rows(ids.reshape(-1).to(device=device, dtype=torch.int32))
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
-                         lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), decode=True)
+                         lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), integer=True)
         for state in states:
             state.length += tokens
             state.pending = tokens
-        return self.head(h, out_dtype=torch.float32).view(batch, tokens, -1)
+        return self._linear("head", h, integer=True, out_dtype=torch.float32).view(batch, tokens, -1)
 
     def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
         """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step: its length drops to
@@ -285,12 +285,25 @@ class FastQwen35:
         tables = self.cache.block_tables.index_select(0, slots)
         x = self.linears["token_embedding"].rows(ids)
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
-                         lambda h, i: self._gdn_decode(h, i, slots), decode=True)
-        return self.head(h, out_dtype=torch.float32)
+                         lambda h, i: self._gdn_decode(h, i, slots), integer=True)
+        return self._linear("head", h, integer=True, out_dtype=torch.float32)
 
-    def _layers(self, x: torch.Tensor, attention, gdn, decode: bool) -> torch.Tensor:
+    def _linear(self, name: str, x: torch.Tensor, integer: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x through one matrix (`name`, or "head"): with `integer` (decode and verify steps) the integer GEMV over
+        x's int8 image, else the exact route (packed weights decoded for cuBLAS; the prefill's numerics)."""
+        linear = self.head if name == "head" else self.linears[name]
+        return linear(shared_input(x, [linear]) if integer else x, out_dtype=out_dtype)
+
+    def _linears(self, names: list[str], x: torch.Tensor, integer: bool) -> list[torch.Tensor]:
+        """x through several matrices that read it, quantized once for them with `integer`."""
+        readers = [self.linears[name] for name in names]
+        source = shared_input(x, readers) if integer else x
+        return [reader(source) for reader in readers]
+
+    def _layers(self, x: torch.Tensor, attention, gdn, integer: bool) -> torch.Tensor:
         """The decoder layers and the final norm over embedded tokens x `[T, H]`; the residual adds are fused into
-        the next norm. `attention(h, layer)` / `gdn(h, layer)` are the mixers; the head's logits (fp32) return."""
+        the next norm. `attention(h, layer)` / `gdn(h, layer)` are the mixers; `integer`: decode-step numerics
+        (int8 activations in the GEMVs, MoE experts gathered per token) rather than the prefill's."""
         c = self.config
         x, h = add_rms_norm(x, None, self.vectors["layers/0/input_norm"], c.rms_eps)
         for i, kind in enumerate(c.layer_types):
@@ -298,19 +311,18 @@ class FastQwen35:
             mixed = attention(h, i) if kind == FULL_ATTENTION else gdn(h, i)
             x, h = add_rms_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], c.rms_eps)
             following = f"layers/{i + 1}/input_norm" if i + 1 < c.layers else "final_norm"
-            x, h = add_rms_norm(x, self._mlp(h, prefix, decode), self.vectors[following], c.rms_eps)
+            x, h = add_rms_norm(x, self._mlp(h, prefix, integer), self.vectors[following], c.rms_eps)
         return h
 
-    def _attention_inputs(self, h: torch.Tensor, layer: int, positions: torch.Tensor,
-                          tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    def _attention_inputs(self, h: torch.Tensor, layer: int, positions: torch.Tensor, tables: torch.Tensor,
+                          integer: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """An attention layer up to its scores, for T rows at `positions`: the query/key and gate/value
         projections, q/k norm + rotary, and the new keys and values written into the pages of `tables` `[T, ·]`.
         Returns q `[T, heads, hd]`, the output gate `[T, heads·hd]` and the layer's (key, value, scale) pools."""
         c, cache = self.config, self.cache
         prefix = f"layers/{layer}/attention/"
         q_rows = c.heads * c.head_dim
-        query_key = self.linears[prefix + "query_key"](h)
-        gate_value = self.linears[prefix + "gate_value"](h)
+        query_key, gate_value = self._linears([prefix + "query_key", prefix + "gate_value"], h, integer)
         q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
                             positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
         v = gate_value[:, q_rows:].view(h.shape[0], c.kv_heads, c.head_dim)
@@ -322,19 +334,17 @@ class FastQwen35:
     def _attention_decode(self, h: torch.Tensor, layer: int, positions: torch.Tensor, lengths: torch.Tensor,
                           tables: torch.Tensor) -> torch.Tensor:
         c, cache = self.config, self.cache
-        q, gate, pools = self._attention_inputs(h, layer, positions, tables)
+        q, gate, pools = self._attention_inputs(h, layer, positions, tables, integer=True)
         o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
                                    max_length=cache.max_pages * cache.page)
-        return self.linears[f"layers/{layer}/attention/output"](sigmoid_mul(o.view(h.shape[0], -1), gate))
+        return self._linear(f"layers/{layer}/attention/output", sigmoid_mul(o.view(h.shape[0], -1), gate), True)
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
                     snapshots: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         prefix = f"layers/{layer}/gdn/"
         value_rows = c.v_heads * c.v_dim
-        query_key = self.linears[prefix + "query_key"](h)
-        value_z = self.linears[prefix + "value_z"](h)
-        a_b = self.linears[prefix + "a_b_projection"](h)
+        query_key, value_z, a_b = self._linears([prefix + n for n in GDN_PROJECTIONS], h, integer=True)
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
                               self.vectors[prefix + "convolution"], self.cache.conv[index], slots, tokens=tokens,
@@ -343,27 +353,29 @@ class FastQwen35:
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
                                tokens=tokens, snapshot_slots=snapshots)
-        return self.linears[prefix + "output"](o)
+        return self._linear(prefix + "output", o, integer=True)
 
-    def _mlp(self, h: torch.Tensor, prefix: str, decode: bool) -> torch.Tensor:
-        """SwiGLU MLP or sparse MoE; `decode` sends every (token, expert) pair through the gathering GEMV (no host
-        sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
+    def _mlp(self, h: torch.Tensor, prefix: str, integer: bool) -> torch.Tensor:
+        """SwiGLU MLP or sparse MoE. With `integer` (decode, verify) every (token, expert) pair goes through the
+        gathering GEMV (no host sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
         c = self.config
         if not c.moe:
-            return self.linears[prefix + "mlp/down"](silu_mul(self.linears[prefix + "mlp/gate_up"](h)))
-        experts = c.experts
-        logits = self.linears[prefix + "moe/router_shared_gate"](h)
-        weights, ids = route_top_k(logits, experts, c.top_k)
-        shared = self.linears[prefix + "moe/shared_down"](silu_mul(self.linears[prefix + "moe/shared_gate_up"](h)))
+            (gate_up,) = self._linears([prefix + "mlp/gate_up"], h, integer)
+            return self._linear(prefix + "mlp/down", silu_mul(gate_up), integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
-        if decode:
+        readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]
+        source = shared_input(h, [*readers, routed_gate_up]) if integer else h
+        logits, shared_gate_up = (reader(source) for reader in readers)
+        weights, ids = route_top_k(logits, c.experts, c.top_k)
+        shared = self._linear(prefix + "moe/shared_down", silu_mul(shared_gate_up), integer)
+        if integer:
             flat = ids.reshape(-1)
-            activation = silu_mul(routed_gate_up.gather(h, flat, 2 * c.expert_width, c.top_k))
+            activation = silu_mul(routed_gate_up.gather(source, flat, 2 * c.expert_width, c.top_k))
             routed = routed_down.gather(activation, flat, c.hidden, 1)
         else:
             routed = self._moe_prefill(h, ids, routed_gate_up, routed_down)
-        return moe_combine(routed, weights, shared, logits[:, experts:])
+        return moe_combine(routed, weights, shared, logits[:, c.experts :])
 
     def _moe_prefill(self, h: torch.Tensor, ids: torch.Tensor, routed_gate_up: PackedLinear,
                      routed_down: PackedLinear) -> torch.Tensor:
@@ -395,14 +407,13 @@ class FastQwen35:
     # -- prefill ---------------------------------------------------------------------------------------------
 
     def _prefill_chunk(self, ids: torch.Tensor, state: SlotState, all_logits: bool) -> torch.Tensor:
-        c = self.config
         start, tokens = state.length, ids.numel()
         positions = torch.arange(start, start + tokens, device=self.device, dtype=torch.int32)
         x = self.linears["token_embedding"].rows(ids.to(torch.int32))
         h = self._layers(x, lambda h, i: self._attention_prefill(h, i, state, positions),
-                         lambda h, i: self._gdn_prefill(h, i, state), decode=tokens * c.top_k <= MAX_GATHERED_PAIRS)
+                         lambda h, i: self._gdn_prefill(h, i, state), integer=False)
         state.length = start + tokens
-        logits = self.head(h if all_logits else h[-1:], out_dtype=torch.float32)
+        logits = self._linear("head", h if all_logits else h[-1:], integer=False, out_dtype=torch.float32)
         return logits if all_logits else logits[0]
 
     def _attention_prefill(self, h: torch.Tensor, layer: int, state: SlotState,
@@ -410,7 +421,7 @@ class FastQwen35:
         c, cache = self.config, self.cache
         tokens = h.shape[0]
         tables = cache.block_tables[state.slot : state.slot + 1].expand(tokens, -1)
-        q, gate, _ = self._attention_inputs(h, layer, positions, tables)
+        q, gate, _ = self._attention_inputs(h, layer, positions, tables, integer=False)
         start = state.length
         keys, values = cache.dense_kv(layer, state, start + tokens, q.dtype)
         mask = None
@@ -428,9 +439,7 @@ class FastQwen35:
         prefix = f"layers/{layer}/gdn/"
         tokens = h.shape[0]
         key_rows, value_rows = c.k_heads * c.k_dim, c.v_heads * c.v_dim
-        query_key = self.linears[prefix + "query_key"](h)
-        value_z = self.linears[prefix + "value_z"](h)
-        a_b = self.linears[prefix + "a_b_projection"](h)
+        query_key, value_z, a_b = self._linears([prefix + n for n in GDN_PROJECTIONS], h, integer=False)
         index = cache.gdn_index[layer]
         mixed, window = causal_conv1d(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
                                       self.vectors[prefix + "convolution"], cache.conv[index, state.slot])

@@ -1,21 +1,27 @@
 """y = x · Wᵀ with W stored packed in a groupwise format (q4/q5/q6 g64, q8 g32, `row_split_k128_v1`).
 
 Contract: x `[T, K]` (fp32 / bf16 / fp16), `data` the object's bytes (1-D uint8, on x's device), `shape` = (N, K)
-of W, `fmt` its format. y[t, n] = Σ_k x[t, k] · scale[n, k // G] · code[n, k], accumulated in fp32.
+of W, `fmt` its format, W[n, k] = scale[n, k // G] · code[n, k].
 
-Four paths with that contract:
-  * `quant_linear_reference`: decode W exactly (ninfer.quant) and multiply in fp32 — the oracle, any device;
-  * `quant_linear_gemv`: a Triton kernel for few tokens (decode, speculative verify: T ≤ 16) that reads the
-    packed planes once. Each program owns BLOCK_N rows and walks K in tiles of BLOCK_K lanes, loading the base
-    plane as 32-bit words (8 lanes of nibbles, or 4 int8 lanes for q8), the high units of the same lanes (q5:
-    a byte, q6: 16 bits per word) and the tile's fp16 scales; lane p of every word is turned into an exact fp32
-    code with integer ops and one subtraction (magic-number conversion), so the lanes of a word meet x[LPW·w + p].
-    T = 1 multiplies codes by x in fp32, sums each group and scales it (exact products); T > 1 rounds the scaled
-    weights to x's dtype (as the reference model's decoded weights are) and meets x through `tl.dot` with fp32
-    accumulation. With `experts`, the kernel gathers: output row s uses the `expert_rows`-row block of expert
-    `experts[s]` and input row `s // x_per_slot` (the MoE decode GEMV);
-  * `quant_linear_grouped`: the same kernel's `tl.dot` form over tiles of (token, expert) pairs that share an
-    expert (`group_pairs` plans the tiles on the device), for MoE prefill: one launch per matrix for all experts;
+Four paths:
+  * `quant_linear_reference`: decode W exactly (ninfer.quant) and multiply in fp32 — the oracle, any device. With
+    `int8_activations`, x is first replaced by its int8 image (`activation_quant`): the oracle of the GEMV;
+  * `quant_linear_gemv`: the integer GEMV for few tokens (decode, speculative verify, batched decode: T ≤ 16),
+    which reads the packed planes once. x is quantized to int8 per 32 lanes (`activation_quant`, Q8_1-style as
+    llama.cpp's integer matrix-vector products do) and y[t, n] = Σ_b scale_w[n, b] · scale_x[t, b] · D[t, n, b]
+    with D the exact integer dot product of block b. Each program owns BLOCK_N rows and walks K in tiles of
+    BLOCK_K lanes: the base plane is loaded as 32-bit words (8 lanes of nibbles, or 4 int8 lanes for q8) with the
+    high units of the same lanes (q5: a byte, q6: 16 bits per word) and the scales; a word's even and odd
+    nibbles, masked in place (plus the high bits, moved by a multiply), are byte quads that meet the activation
+    quads in one `dp4a` each — about 5 integer instructions per 8 weights for q4, against ~50 for a float
+    conversion of every lane, which bound the earlier kernel (docs/performance.md). Unsigned codes carry an offset
+    (8, 16, 32), removed per block with the activation sums. The K tile depends on the matrix only and the block
+    sums are added in a fixed pairwise order, so a token's result is the same bits at any T (verify = decode).
+    With `experts`, the kernel gathers: output row s uses the `expert_rows`-row block of expert `experts[s]` and
+    input row `s // x_per_slot` (the MoE decode GEMV);
+  * `quant_linear_grouped`: tiles of (token, expert) pairs that share an expert (`group_pairs` plans the tiles on
+    the device) through `tl.dot` with bf16 weights (the codes decoded exactly, scaled, rounded to x's dtype) and
+    fp32 accumulation, for MoE prefill: one launch per matrix for all experts;
   * `dequantize`: the same unpacking into a bf16 `[N, K]` matrix, for the prefill route of dense matrices
     (dequantize to scratch, then cuBLAS; `ninfer.fast.linear` picks the route by T).
 Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf16 `tl.dot`).
@@ -27,6 +33,12 @@ import os
 
 import torch
 
+from ninfer.kernels.activation_quant import (
+    Int8Activations,
+    dequantize_activations,
+    quantize_activations,
+    quantize_activations_reference,
+)
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
 
@@ -37,13 +49,20 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 MAX_GEMV_TOKENS = 16
+MAX_TOKEN_TILE = 4  # tokens per GEMV program; more tokens take more programs over the same row tile
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
+ASM = not INTERPRETED and torch.version.hip is None
 
 
-def quant_linear_reference(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str) -> torch.Tensor:
+def quant_linear_reference(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str,
+                           int8_activations: bool = False) -> torch.Tensor:
     weight = codec_for(fmt).decode(data, shape)
-    return x.to(torch.float32) @ weight.T
+    if not int8_activations:
+        return x.to(torch.float32) @ weight.T
+    lanes = dequantize_activations(quantize_activations_reference(x))[:, : shape[1]]
+    return (lanes.double() @ weight.double().T).float()
 
 
 if triton is not None:
@@ -104,62 +123,198 @@ if triton is not None:
         return rows, row_ok, safe_rows, wrows, x_base, out_base
 
     @triton.jit
-    def _gemv_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr,
-                     T, N, k_pad, row_words, high_row_units, gpr, stride_x, stride_out, num_experts,
+    def _dp4a(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
+        """c + Σ_i byte_i(a) · byte_i(b) in int32 (4-D a, b), b's bytes signed, a's unsigned (signed with SIGNED):
+        one `dp4a` instruction on NVIDIA GPUs (sm_61+), integer ops elsewhere (the interpreter, other backends)."""
+        if ASM:
+            if SIGNED:
+                r = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+            else:
+                r = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+        else:  # a, b `[T, BN, BLOCKS, 4]`: the bytes along a fifth axis (few wide ops: fast in the interpreter)
+            shifts = 8 * tl.arange(0, 4)[None, None, None, None, :]
+            a_bytes = (tl.expand_dims(a, 4) >> shifts) & 0xFF
+            if SIGNED:
+                a_bytes = (a_bytes ^ 0x80) - 0x80
+            b_bytes = (((tl.expand_dims(b, 4) >> shifts) & 0xFF) ^ 0x80) - 0x80
+            r = c + tl.sum(a_bytes * b_bytes, axis=4)
+        return r
+
+    @triton.jit
+    def _pick_bytes(w0, w1, SELECTOR: tl.constexpr, ASM: tl.constexpr):
+        """Bytes 0 and 2 (SELECTOR 0x6420) or 1 and 3 (0x7531) of w0 then w1 as one word: `prmt` on NVIDIA."""
+        if ASM:
+            r = tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECTOR};", "=r,r,r", [w0, w1], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+        else:
+            first: tl.constexpr = 0 if SELECTOR == 0x6420 else 8
+            r = ((w0 >> first) & 0xFF) | ((w0 >> (first + 8)) & 0xFF00) | (((w1 >> first) & 0xFF) << 16) \
+                | (((w1 >> (first + 16)) & 0xFF) << 24)
+        return r
+
+    @triton.jit
+    def _spread_q6_pairs(h):
+        """Bits (4j, 4j + 1) of h to bits (8j + 4, 8j + 5), j < 4 (two multiplies whose stray products fall outside
+        the masks; checked over every 16-bit h by tests/test_quant_linear.py)."""
+        return (((h & 0x0303) * 0x1010) & 0x00300030) | (((h & 0x3030) * 0x10100) & 0x30003000)
+
+    @triton.jit
+    def _weight_quads(words, high, bias, BITS: tl.constexpr, ASM: tl.constexpr):
+        """The tile's weight codes as byte quads matching the activation quads (`activation_quant`): (even, odd)
+        `[BN, BLOCKS, 4]` int32 for the units (8 lanes) of each 32-lane block; even = lanes 8u + 0, 2, 4, 6 of unit
+        u, odd = lanes 8u + 1, 3, 5, 7; unsigned code + offset (q4: 8, q5: 16, q6: 32) for the 4–6-bit formats,
+        the signed code for q8. `words`, `high`: as `_load_weights` returns them; `bias` the offset in every byte
+        (0x08080808 for q4), a runtime value: in a register, the mask and the flip fuse into one LOP3 (two
+        immediates cannot)."""
+        if BITS == 8:
+            w0, w1 = tl.split(words)
+            even = _pick_bytes(w0, w1, 0x6420, ASM)
+            odd = _pick_bytes(w0, w1, 0x7531, ASM)
+        else:
+            even = words & 0x0F0F0F0F
+            odd = (words >> 4) & 0x0F0F0F0F
+            if BITS == 5:  # bit i of the high byte is bit 4 of lane i
+                even = even | (((high & 0x55) * 0x410410) & 0x10101010)
+                odd = odd | (((high & 0xAA) * 0x208208) & 0x10101010)
+            elif BITS == 6:  # bits 2i, 2i + 1 of the high unit are bits 4, 5 of lane i
+                even = even | _spread_q6_pairs(high)
+                odd = odd | _spread_q6_pairs(high >> 2)
+            even = even ^ bias
+            odd = odd ^ bias
+        return even, odd
+
+    @triton.jit
+    def _load_weights(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words, high_row_units, gpr, BITS: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The tile's packed weights as loaded, per row, 32-lane block and unit (8 lanes): base words (q8:
+        `[BN, BLOCKS, 4, 2]`, two per unit, else `[BN, BLOCKS, 4]`), the high units as int32 (the words again
+        without a high plane, unused) and the weight scale of each block `[BN, BLOCKS]` fp32. A block's units
+        are contiguous: 16- or 32-byte vector loads."""
+        BLOCKS: tl.constexpr = BLOCK_K // 32
+        rows = wrows[:, None, None]
+        unit = k0 // 8 + 4 * tl.arange(0, BLOCKS)[None, :, None] + tl.arange(0, 4)[None, None, :]
+        if BITS == 8:
+            pair = tl.arange(0, 2)[None, None, None, :]
+            words = tl.load(base_ptr + rows[:, :, :, None] * row_words + 2 * unit[:, :, :, None] + pair)
+            high = words
+        else:
+            words = tl.load(base_ptr + rows * row_words + unit)
+            if BITS == 5 or BITS == 6:
+                high = tl.load(high_ptr + rows * high_row_units + unit).to(tl.int32) & (0xFF if BITS == 5 else 0xFFFF)
+            else:
+                high = words
+        groups = (k0 + 32 * tl.arange(0, BLOCKS)[None, :]) // GROUP
+        scale = tl.load(scale_ptr + wrows[:, None] * gpr + groups).to(tl.float32)
+        return words, high, scale
+
+    @triton.jit
+    def _pairwise_sum(values, WIDTH: tl.constexpr):
+        """Σ over the last axis (WIDTH, a power of 2) of a 3-D tensor by halving: lane b + WIDTH / 2 onto lane b,
+        then again — a fixed order whatever the layout, so a row's sum does not depend on the tensor's other
+        dimensions (the token count)."""
+        if WIDTH == 1:
+            r = tl.sum(values, axis=2)
+        else:
+            pairs = tl.reshape(values, [values.shape[0], values.shape[1], 2, WIDTH // 2])
+            r = _pairwise_sum(tl.sum(pairs, axis=2), WIDTH // 2)
+        return r
+
+    @triton.jit
+    def _gemv_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
+                     T, N, k_pad, row_words, high_row_units, gpr, x_block_count, stride_out, bias,
                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr, X_PER_SLOT: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, PREFETCH: tl.constexpr,
+                     ASM: tl.constexpr):
+        BLOCKS: tl.constexpr = BLOCK_K // 32
+        OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
+        # program_id(0) = row tile · token tiles + token tile: the programs of one row tile run side by side, so
+        # the token tiles after the first read its weights from L2
+        token_tiles = tl.cdiv(T, BLOCK_T)
+        rows = (tl.program_id(0) // token_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        tokens = (tl.program_id(0) % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        if GATHER:  # program_id(1): an output slot (T = 1); its expert's rows and its input row
+            slot = tl.program_id(1)
+            wrows = tl.load(expert_ptr + slot).to(tl.int64) * N + safe_rows
+            x_rows = slot // X_PER_SLOT + tokens * 0
+            out_rows = slot + tokens * 0
+        else:
+            wrows = safe_rows
+            x_rows = tl.minimum(tokens, T - 1)
+            out_rows = tokens
+        token_ok = tokens < T
+        # x's block records are addressed at the full [T, BN, BLOCKS, 4] shape of the products (rows broadcast):
+        # their loads then take the products' layout (no shuffles between layouts in the loop; repeats hit L1)
+        x_record = x_blocks_ptr + (x_rows.to(tl.int64)[:, None, None, None] * x_block_count
+                                   + tl.arange(0, BLOCKS)[None, None, :, None] + 0 * rows[None, :, None, None]) * 12 \
+            + tl.arange(0, 4)[None, None, None, :]
+        word = tl.arange(0, 4)[None, None, None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCKS), dtype=tl.float32)
+        k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)  # k_pad is a multiple of BLOCK_K: aligned vector loads
+        words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, 0, row_words, high_row_units, gpr,
+                                             BITS, GROUP, BLOCK_K)
+        for k0 in tl.range(0, k_pad, BLOCK_K):
+            if PREFETCH:  # the next tile's loads go out before this tile's arithmetic (the last one reloads itself)
+                next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
+                                          row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
+            else:
+                words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words,
+                                                     high_row_units, gpr, BITS, GROUP, BLOCK_K)
+                next_tile = (words, high, w_scale)
+            even, odd = _weight_quads(words, high, bias, BITS, ASM)
+            record = x_record + (k0 // 32) * 12
+            dots = _dp4a(even[None], tl.load(record), 0, BITS == 8, ASM)
+            dots = _dp4a(odd[None], tl.load(record + 4), dots, BITS == 8, ASM)
+            meta = tl.load(record + 8)  # scale bits, sum, 0, 0
+            x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
+            block_dots = tl.sum(dots, axis=3)  # [T, BN, BLOCKS], exact integers
+            if OFFSET:
+                block_dots -= OFFSET * tl.sum(tl.where(word == 1, meta, 0), axis=3)
+            acc += block_dots.to(tl.float32) * (w_scale[None, :, :] * x_scale)
+            words, high, w_scale = next_tile
+        out = out_ptr + out_rows[:, None].to(tl.int64) * stride_out + rows[None, :]
+        tl.store(out, _pairwise_sum(acc, BLOCKS), mask=token_ok[:, None] & row_ok[None, :])
+
+    @triton.jit
+    def _grouped_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr, N, k_pad, row_words,
+                        high_row_units, gpr, stride_x, stride_out, num_experts, BITS: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                        X_PER_SLOT: tl.constexpr, IEEE: tl.constexpr):
         LPW: tl.constexpr = 4 if BITS == 8 else 8  # lanes per 32-bit base word
         WORDS: tl.constexpr = BLOCK_K // LPW
         WPG: tl.constexpr = GROUP // LPW  # words per group (8 in every format)
         NG: tl.constexpr = BLOCK_K // GROUP
-        rows, row_ok, safe_rows, wrows, x_base, out_base = gemv_rows(x_ptr, out_ptr, expert_ptr, N, stride_x,
-                                                                     stride_out, BLOCK_N, GATHER, X_PER_SLOT)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
         w_idx = tl.arange(0, WORDS)
-        if BLOCK_T == 1:
-            acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-            for k0 in tl.range(0, k_pad, BLOCK_K):
-                words, high, scale = _load_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words,
-                                                high_row_units, gpr, BITS, LPW, GROUP, BLOCK_K)
-                part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-                for p in tl.static_range(LPW):
-                    x_p = tl.load(x_base + k0 + LPW * w_idx + p).to(tl.float32)
-                    codes = _lane_values(words, high, p, BITS)
-                    part += codes * x_p[None, :]
-                acc += tl.sum(tl.reshape(part, [BLOCK_N, NG, WPG]), axis=2) * scale
-            tl.store(out_base + rows, tl.sum(acc, axis=1), mask=row_ok)
-        else:
-            tokens = tl.arange(0, BLOCK_T)
-            if GROUPED:  # program_id(1): a tile of BLOCK_T (token, expert) pairs that share one expert
-                tile = tl.program_id(1)
-                expert = tl.load(expert_ptr + tile)
-                live = expert < num_experts  # tiles past the plan's last one hold no pairs
-                wrows = tl.minimum(expert, num_experts - 1).to(tl.int64) * N + safe_rows
-                pairs = tl.load(pairs_ptr + tile * BLOCK_T + tokens)
-                token_ok = (pairs >= 0) & (tokens < tl.where(live, BLOCK_T, 0))  # tensor-only mask terms
-                x_rows = tl.where(token_ok, pairs // X_PER_SLOT, 0).to(tl.int64)
-                out_rows = tl.where(token_ok, pairs, 0).to(tl.int64)
-                k_end = tl.where(live, k_pad, 0)
-            else:
-                token_ok = tokens < T
-                x_rows = tokens
-                out_rows = tokens
-                k_end = k_pad
-            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            for k0 in tl.range(0, k_end, BLOCK_K):
-                words, high, scale = _load_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words,
-                                                high_row_units, gpr, BITS, LPW, GROUP, BLOCK_K)
-                for p in tl.static_range(LPW):
-                    x_p = tl.load(x_base + x_rows[None, :] * stride_x + (k0 + LPW * w_idx + p)[:, None],
-                                  mask=token_ok[None, :], other=0.0)
-                    codes = _lane_values(words, high, p, BITS)
-                    w_p = tl.reshape(tl.reshape(codes, [BLOCK_N, NG, WPG]) * scale[:, :, None], [BLOCK_N, WORDS])
-                    if IEEE:
-                        acc += tl.dot(w_p.to(x_p.dtype), x_p, input_precision="ieee")
-                    else:
-                        acc += tl.dot(w_p.to(x_p.dtype), x_p)
-            out = out_base + out_rows[None, :] * stride_out + rows[:, None]
-            tl.store(out, acc, mask=row_ok[:, None] & token_ok[None, :])
+        tokens = tl.arange(0, BLOCK_T)
+        tile = tl.program_id(1)  # a tile of BLOCK_T (token, expert) pairs that share one expert
+        expert = tl.load(expert_ptr + tile)
+        live = expert < num_experts  # tiles past the plan's last one hold no pairs
+        wrows = tl.minimum(expert, num_experts - 1).to(tl.int64) * N + safe_rows
+        pairs = tl.load(pairs_ptr + tile * BLOCK_T + tokens)
+        token_ok = (pairs >= 0) & (tokens < tl.where(live, BLOCK_T, 0))  # tensor-only mask terms
+        x_rows = tl.where(token_ok, pairs // X_PER_SLOT, 0).to(tl.int64)
+        out_rows = tl.where(token_ok, pairs, 0).to(tl.int64)
+        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        for k0 in tl.range(0, tl.where(live, k_pad, 0), BLOCK_K):
+            words, high, scale = _load_tile(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words,
+                                            high_row_units, gpr, BITS, LPW, GROUP, BLOCK_K)
+            for p in tl.static_range(LPW):
+                x_p = tl.load(x_ptr + x_rows[None, :] * stride_x + (k0 + LPW * w_idx + p)[:, None],
+                              mask=token_ok[None, :], other=0.0)
+                codes = _lane_values(words, high, p, BITS)
+                w_p = tl.reshape(tl.reshape(codes, [BLOCK_N, NG, WPG]) * scale[:, :, None], [BLOCK_N, WORDS])
+                if IEEE:
+                    acc += tl.dot(w_p.to(x_p.dtype), x_p, input_precision="ieee")
+                else:
+                    acc += tl.dot(w_p.to(x_p.dtype), x_p)
+        out = out_ptr + out_rows[None, :] * stride_out + rows[:, None]
+        tl.store(out, acc, mask=row_ok[:, None] & token_ok[None, :])
 
     @triton.jit
     def _dequantize_kernel(base_ptr, high_ptr, scale_ptr, out_ptr, index_ptr, N, K, row_words, high_row_units, gpr,
@@ -211,44 +366,54 @@ def _high_row_units(codec: GroupwiseCodec, planes: list) -> int:
     return planes[1].row_bytes // (2 if codec.bits == 6 else 1) if len(planes) == 3 else 0
 
 
-def _block_k(k_pad: int, tokens: int) -> int:
-    """The widest K tile (lanes) that divides the padded K: up to 1024 for one token (the H200 sweep's best at
-    every 27B / 35B shape, docs/performance.md), 256 when tl.dot meets x."""
-    return next(b for b in ((1024, 512, 256, 128) if tokens == 1 else (256, 128)) if k_pad % b == 0)
+def _block_k(k_pad: int) -> int:
+    """The widest tile (lanes) up to 256 that divides the padded K (`tl.dot` meets x in the grouped product)."""
+    return next(b for b in (256, 128) if k_pad % b == 0)
 
 
-def quant_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str,
+def gemv_block_k(k_pad: int) -> int:
+    """The integer GEMV's K tile: the widest of 512, 256, 128, 64 lanes dividing the padded K (512: 16 tokens fit
+    in registers without spilling, scripts/compile_kernels.py --resources). It depends on the matrix only, never
+    on the token count, so that every token's result is the same bits at any T."""
+    return next(b for b in (512, 256, 128, 64) if k_pad % b == 0)
+
+
+def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, shape: tuple[int, int], fmt: str,
                       block_n: int | None = None, block_k: int | None = None, out_dtype: torch.dtype | None = None,
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
-                      num_warps: int | None = None) -> torch.Tensor:
-    """The Triton GEMV (see the module docstring). x has at most MAX_GEMV_TOKENS rows; the result is
-    `[T, N]` in `out_dtype` (default fp32). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows
-    each and the result is `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ."""
+                      num_warps: int | None = None, prefetch: bool = True) -> torch.Tensor:
+    """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
+    several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
+    `out_dtype` (default fp32). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the
+    result is `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
+    acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     codec, base, high, scales, planes = _planes(data, shape, fmt)
-    tokens = x.shape[0]
+    tokens = acts.tokens
     if experts is None and not 1 <= tokens <= MAX_GEMV_TOKENS:
         raise ValueError(f"the GEMV takes 1..{MAX_GEMV_TOKENS} tokens, not {tokens}")
     n, k = shape if experts is None else (expert_rows, shape[1])
-    gpr = codec.groups_per_row(k)
-    k_pad = gpr * codec.group
-    if x.shape[1] != k_pad or x.stride(1) != 1:
-        x = torch.nn.functional.pad(x, (0, k_pad - x.shape[1])).contiguous()
+    if acts.source.shape[1] != k:
+        raise ValueError(f"x has {acts.source.shape[1]} features, the matrix {k}")
+    k_pad = codec.groups_per_row(k) * codec.group
     slots = tokens if experts is None else experts.numel()
-    out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=x.device)
-    block_t = 1 if tokens == 1 or experts is not None else 16  # tl.dot needs at least 16 columns
-    block_n = block_n or (256 if INTERPRETED else 64 if block_t > 1 else 16 if n >= 16384 else 8)
-    block_k = block_k or _block_k(k_pad, block_t)
+    out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=data.device)
+    # tokens in tiles of up to MAX_TOKEN_TILE per program: x's records for more would not fit in registers
+    block_t = 1 if experts is not None else min(MAX_TOKEN_TILE, triton.next_power_of_2(tokens))
+    token_tiles = 1 if experts is not None else triton.cdiv(tokens, block_t)
+    block_k = block_k or gemv_block_k(k_pad)
+    block_n = block_n or (256 if INTERPRETED else 4)  # the H200 sweep's best (docs/performance.md)
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
-    grid = (triton.cdiv(n, block_n), slots if experts is not None else 1)
+    grid = (triton.cdiv(n, block_n) * token_tiles, slots if experts is not None else 1)
+    bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
     _gemv_kernel[grid](
-        x, base, high, scales, out, experts if experts is not None else base, base, tokens, n, k_pad,
-        planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, x.stride(0), out.stride(0), 0,
-        BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
-        GATHER=experts is not None, GROUPED=False, X_PER_SLOT=x_per_slot, IEEE=x.dtype == torch.float32,
-        num_warps=num_warps or 4)
+        acts.blocks, base, high, scales, out, experts if experts is not None else base,
+        tokens if experts is None else 1, n, k_pad,
+        planes[0].row_bytes // 4, _high_row_units(codec, planes), codec.groups_per_row(k), acts.blocks.shape[1],
+        out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
+        GATHER=experts is not None, X_PER_SLOT=x_per_slot, PREFETCH=prefetch, ASM=ASM, num_warps=num_warps or 2)
     return out
 
 
@@ -294,13 +459,13 @@ def quant_linear_grouped(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, 
         x = torch.nn.functional.pad(x, (0, k_pad - x.shape[1])).contiguous()
     out = torch.empty((pairs, expert_rows), dtype=out_dtype or x.dtype, device=x.device)
     block_n = 256 if INTERPRETED else 64
-    block_k = _block_k(k_pad, block)
+    block_k = _block_k(k_pad)
     experts = shape[0] // expert_rows
-    _gemv_kernel[(triton.cdiv(expert_rows, block_n), tile_experts.numel())](
-        x, base, high, scales, out, tile_experts, tile_pairs, 0, expert_rows, k_pad, planes[0].row_bytes // 4,
+    _grouped_kernel[(triton.cdiv(expert_rows, block_n), tile_experts.numel())](
+        x, base, high, scales, out, tile_experts, tile_pairs, expert_rows, k_pad, planes[0].row_bytes // 4,
         _high_row_units(codec, planes), gpr, x.stride(0), out.stride(0), experts,
-        BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block, GATHER=False,
-        GROUPED=True, X_PER_SLOT=x_per_pair, IEEE=x.dtype == torch.float32,
+        BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block,
+        X_PER_SLOT=x_per_pair, IEEE=x.dtype == torch.float32,
         num_warps=8)  # 4 warps spill registers at 64 × 64 tiles (scripts/compile_kernels.py --resources)
     return out
 

@@ -24,7 +24,7 @@ for job in "$@"; do
   esac
   if [ -n "$files" ]; then  # GPU-marked tests plus the kernel tests that pick CUDA by themselves
     # shellcheck disable=SC2086
-    python3 -m pytest -q -m "gpu or not gpu" $files 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|Error" \
+    python3 -m pytest -q -rP -m "gpu or not gpu" $files 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|Error" \
       | head -40
     continue
   fi

@@ -1,0 +1,126 @@
+"""Activations as int8 for the integer GEMV (`ninfer.kernels.quant_linear.quant_linear_gemv`).
+
+Contract: x `[T, K]` (fp32 / bf16 / fp16) becomes `Int8Activations` over K padded with zeros to a multiple of
+LANE_PAD (64) lanes, one record of RECORD (12) int32 words per block of BLOCK (32) lanes — `blocks`
+`[T, K_pad / 32, 12]`:
+  * words 0–3: for the block's 8-lane units u = 0..3, the codes of lanes 8u + 0, 2, 4, 6 as the bytes of one
+    word; words 4–7: the codes of lanes 8u + 1, 3, 5, 7. A packed 4-bit weight word's even / odd nibbles, masked
+    in place, are the matching byte quads on the weight side;
+  * word 8: the scale s = absmax / 127 (IEEE division) as fp32 bits; word 9: Σ q over the block (the GEMV removes
+    the offset of unsigned weight codes with it); words 10, 11: zero.
+The codes are q = round_half_even(x / s) in [-127, 127] (0 where the block is all zeros), so x ≈ q · s per lane
+with |error| ≤ s / 2. A block's scale and sum travel in its record so that the GEMV loads them in the layout of
+the codes (one 16-byte load each, no shuffles between thread layouts). This is the Q8_1-style activation
+quantization of llama.cpp's integer matrix-vector products (blocks of 32, absmax scaling), which we follow; the
+rounding is exact IEEE on both sides, so `quantize_activations` and `quantize_activations_reference` agree bit
+for bit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+try:  # Triton is optional: the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+BLOCK = 32  # lanes per activation scale
+LANE_PAD = 64  # K is padded to this: a multiple of every groupwise format's group
+RECORD = 12  # int32 words per block: 4 even quads, 4 odd quads, scale, sum, 2 zero
+
+
+class Int8Activations(NamedTuple):
+    source: torch.Tensor  # x itself `[T, K]`, for the routes that do not take int8 activations
+    blocks: torch.Tensor  # [T, K_pad / BLOCK, RECORD] int32
+
+    @property
+    def tokens(self) -> int:
+        return self.source.shape[0]
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.blocks[..., 8].view(torch.float32)
+
+    @property
+    def sums(self) -> torch.Tensor:
+        return self.blocks[..., 9]
+
+
+def padded_lanes(k: int) -> int:
+    return -(-k // LANE_PAD) * LANE_PAD
+
+
+def quantize_activations_reference(x: torch.Tensor) -> Int8Activations:
+    """The contract in torch (any device): the oracle of `quantize_activations`."""
+    tokens, k = x.shape
+    k_pad = padded_lanes(k)
+    lanes = torch.nn.functional.pad(x.float(), (0, k_pad - k)).view(tokens, k_pad // BLOCK, BLOCK)
+    # IEEE fp32 divisions on every device (CUDA torch multiplies by a scalar divisor's reciprocal): exact in float64,
+    # then one rounding to fp32, which is the correctly rounded fp32 quotient
+    scales = (lanes.abs().amax(-1).double() / 127).float()
+    divisors = torch.where(scales > 0, scales, 1).double()[..., None]
+    codes = torch.round((lanes.double() / divisors).float()).to(torch.int32)
+    units = (codes & 0xFF).view(tokens, k_pad // BLOCK, 4, 8)
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=x.device)
+    blocks = torch.zeros(tokens, k_pad // BLOCK, RECORD, dtype=torch.int32, device=x.device)
+    blocks[..., 0:4] = (units[..., 0::2] << shifts).sum(-1)
+    blocks[..., 4:8] = (units[..., 1::2] << shifts).sum(-1)
+    blocks[..., 8] = scales.view(torch.int32)
+    blocks[..., 9] = codes.sum(-1, dtype=torch.int32)
+    return Int8Activations(x, blocks)
+
+
+def dequantize_activations(acts: Int8Activations) -> torch.Tensor:
+    """q · s `[T, K_pad]` fp32: the values the integer GEMV multiplies (its oracle's input)."""
+    tokens, count, _ = acts.blocks.shape
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=acts.blocks.device)
+    quads = acts.blocks[..., :8].reshape(tokens, count, 2, 4)  # [T, blocks, parity, unit]
+    codes = ((quads[..., None] >> shifts) & 0xFF).to(torch.uint8).view(torch.int8).to(torch.float32)
+    lanes = codes.permute(0, 1, 3, 4, 2).reshape(tokens, count, BLOCK)  # lane 8u + 2i + parity
+    return (lanes * acts.scales[..., None]).reshape(tokens, count * BLOCK)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, blocks_ptr, K, block_count, stride_x, BLOCKS: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        lane = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]
+        x = tl.load(x_ptr + t * stride_x + lane, mask=lane < K, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
+        y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+        # round half to even by the 1.5 · 2^23 magic number (|y| ≤ 127.5): the code sits in the low mantissa bits
+        codes = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        units = tl.reshape(codes & 0xFF, [BLOCKS, 4, 8])
+        column = tl.arange(0, 8)[None, None, :]
+        placed = units << (8 * (column // 2))  # byte i of the even / odd quad: lane 2i / 2i + 1 of the unit
+        even = tl.sum(tl.where(column % 2 == 0, placed, 0), axis=2)  # [BLOCKS, 4]
+        odd = tl.sum(tl.where(column % 2 == 1, placed, 0), axis=2)
+        word = tl.arange(0, 4)[None, :]
+        meta = tl.where(word == 0, scale.to(tl.int32, bitcast=True)[:, None],
+                        tl.where(word == 1, tl.sum(codes, axis=1)[:, None], 0))
+        record = blocks_ptr + (t * block_count + blocks[:, None]) * 12 + word
+        ok = (blocks < block_count)[:, None]
+        tl.store(record, even, mask=ok)
+        tl.store(record + 4, odd, mask=ok)
+        tl.store(record + 8, meta, mask=ok)
+
+
+def quantize_activations(x: torch.Tensor) -> Int8Activations:
+    """x `[T, K]` → `Int8Activations` (see the module docstring), one Triton launch."""
+    if triton is None:
+        raise RuntimeError("the activation quantizer needs the triton package")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tokens, k = x.shape
+    count = padded_lanes(k) // BLOCK
+    blocks = torch.empty((tokens, count, RECORD), dtype=torch.int32, device=x.device)
+    per_program = min(32, count)  # count is even: LANE_PAD / BLOCK = 2
+    _quantize_kernel[(tokens, triton.cdiv(count, per_program))](x, blocks, k, count, x.stride(0),
+                                                               BLOCKS=triton.next_power_of_2(per_program))
+    return Int8Activations(x, blocks)
