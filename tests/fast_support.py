@@ -1,10 +1,10 @@
-"""The oracle of the fast path's decode steps: the reference model whose products with groupwise matrices see the
-int8 image of their input (`activation_quant`), as the fast path's integer GEMV does in decode and verify steps.
+"""The oracle of the fast path's integer GEMV: the reference model whose products with groupwise matrices see the
+int8 image of their input (`activation_quant`), as the fast path's decode and verify steps (and its head) do.
 
 Inside `int8_activations(reference, path)`, `x @ W.T` and `F.linear(x, W)` with W (or a slice of it, an MoE
-expert) decoded from a groupwise object multiply `dequantize(quantize(x))` instead of x; every other product is
-untouched. Use it around
-the reference's decode steps only (prefill on the fast path keeps x as it is)."""
+expert) decoded from a groupwise object, for x of at most MAX_GEMV_TOKENS rows, multiply `dequantize(quantize(x))`
+instead of x; every other product is untouched. Use it around the reference's decode steps, and with `head_only`
+around a prefill (the fast path's prefill keeps x as it is except in the head)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from ninfer.artifact.reader import Artifact
 from ninfer.kernels.activation_quant import dequantize_activations, quantize_activations_reference
+from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS
 from ninfer.model.qwen3_5 import Qwen35Model
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
@@ -26,16 +27,20 @@ def int8_image(x: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def int8_activations(reference: Qwen35Model, path: str):
-    """The oracle context for `reference`, loaded from the artifact at `path`."""
+def int8_activations(reference: Qwen35Model, path: str, head_only: bool = False):
+    """The oracle context for `reference`, loaded from the artifact at `path`: around its decode steps; with
+    `head_only`, around a prefill (whose head, reading at most MAX_GEMV_TOKENS rows, takes the integer GEMV too)."""
     with Artifact.open(path) as artifact:
         groupwise = {obj.id.removeprefix("text/") for obj in artifact.objects
                      if obj.kind == "tensor" and isinstance(codec_for(obj.format), GroupwiseCodec)}
-    storages = {weight.untyped_storage().data_ptr() for name, weight in reference.weights.items() if name in groupwise}
+    names = [_head_name(reference)] if head_only else list(reference.weights)
+    storages = {reference.weights[name].untyped_storage().data_ptr() for name in names if name in groupwise}
     matmul, linear = torch.Tensor.__matmul__, torch.nn.functional.linear
 
     def image(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        grouped = x.dim() <= 2 and weight.dim() == 2 and weight.untyped_storage().data_ptr() in storages
+        rows = x.shape[0] if x.dim() == 2 else 1
+        grouped = x.dim() <= 2 and rows <= MAX_GEMV_TOKENS and weight.dim() == 2 \
+            and weight.untyped_storage().data_ptr() in storages
         return int8_image(x) if grouped else x
 
     torch.Tensor.__matmul__ = lambda x, other: matmul(image(x, other), other)
@@ -44,3 +49,7 @@ def int8_activations(reference: Qwen35Model, path: str):
         yield
     finally:
         torch.Tensor.__matmul__, torch.nn.functional.linear = matmul, linear
+
+
+def _head_name(reference: Qwen35Model) -> str:
+    return "output_head" if "output_head" in reference.weights else "token_embedding"

@@ -1,9 +1,9 @@
 """The GPU fast path's model runner against the reference model in fp32 — on the CPU under the Triton interpreter
 (CI), on CUDA when there is one: chunked prefill, batched decode, the MoE routes, quantized KV pages, prefix
-snapshots with shared pages, verify steps, the memory plan and slot accounting. Prefill is compared with the
-reference as it is; decode steps with the reference whose groupwise products see int8 activations
-(tests/fast_support.py), as the fast path's integer GEMV does. The same comparisons at real shapes on CUDA are in
-tests/test_fast_runner_gpu.py."""
+snapshots with shared pages, verify steps, the memory plan and slot accounting. Decode steps are compared with the
+reference whose groupwise products see int8 activations (tests/fast_support.py), as the fast path's integer GEMV
+does; prefill with the reference whose head alone does (the fast path's prefill head is the integer GEMV too).
+The same comparisons at real shapes on CUDA are in tests/test_fast_runner_gpu.py."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def test_chunked_prefill_and_batched_decode_equal_the_reference(dense):
     prompts = [torch.tensor(PROMPT), torch.tensor([9, 8, 7])]  # 23 tokens: chunks of 20 (cuBLAS route) and 3
     ref_states = [reference.new_state(64) for _ in prompts]
     fast_states = [fast.new_state(64) for _ in prompts]
-    expected = [reference.forward(p, s) for p, s in zip(prompts, ref_states, strict=True)]
+    with int8_activations(reference, DENSE, head_only=True):
+        expected = [reference.forward(p, s) for p, s in zip(prompts, ref_states, strict=True)]
     got = [fast.forward(p, s) for p, s in zip(prompts, fast_states, strict=True)]
     for e, g in zip(expected, got, strict=True):
         assert _relative(g, e) < FP32_TOLERANCE
@@ -101,7 +102,9 @@ def test_moe_prefill_and_decode_routes_equal_the_reference():
     reference, fast = _models(MOE, max_sequences=2, prefill_chunk=60)
     prompt = torch.tensor(PROMPT * 3)  # chunks of 60 and 9 tokens: the grouped route for both
     ref_state, fast_state = reference.new_state(96), fast.new_state(96)
-    expected, got = reference.forward(prompt, ref_state), fast.forward(prompt, fast_state)
+    with int8_activations(reference, MOE, head_only=True):
+        expected = reference.forward(prompt, ref_state)
+    got = fast.forward(prompt, fast_state)
     assert _relative(got, expected) < FP32_TOLERANCE
     token = torch.tensor([int(expected.argmax())])  # a decode step: experts gathered per token
     with int8_activations(reference, MOE):
@@ -190,7 +193,9 @@ def test_every_recipe_runs_on_the_fast_path(tmp_path, monkeypatch, recipe):
     reference, fast = _models(path, max_sequences=1)
     prompt = torch.tensor(PROMPT) % 320  # 23 tokens: the prefill route of every matrix
     ref_state, fast_state = reference.new_state(32), fast.new_state(32)
-    assert _relative(fast.forward(prompt, fast_state), reference.forward(prompt, ref_state)) < FP32_TOLERANCE
+    with int8_activations(reference, path, head_only=True):
+        expected = reference.forward(prompt, ref_state)
+    assert _relative(fast.forward(prompt, fast_state), expected) < FP32_TOLERANCE
     token = torch.tensor([7])
     with int8_activations(reference, path):
         expected = reference.forward(token, ref_state)

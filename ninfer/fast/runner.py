@@ -413,7 +413,8 @@ class FastQwen35:
         h = self._layers(x, lambda h, i: self._attention_prefill(h, i, state, positions),
                          lambda h, i: self._gdn_prefill(h, i, state), integer=False)
         state.length = start + tokens
-        logits = self._linear("head", h if all_logits else h[-1:], integer=False, out_dtype=torch.float32)
+        # the head reads one row (or few): the integer GEMV, as in decode steps, not a dequantized vocabulary matrix
+        logits = self._linear("head", h if all_logits else h[-1:], integer=True, out_dtype=torch.float32)
         return logits if all_logits else logits[0]
 
     def _attention_prefill(self, h: torch.Tensor, layer: int, state: SlotState,

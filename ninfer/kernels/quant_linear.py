@@ -49,7 +49,10 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 MAX_GEMV_TOKENS = 16
-MAX_TOKEN_TILE = 4  # tokens per GEMV program; more tokens take more programs over the same row tile
+# tokens per GEMV program; more tokens take more programs over the same row tile, side by side, so that they read
+# its weights from L2. 1 on the H200: at 4, each thread's loads of x's records bound the kernel (L1 traffic 13×
+# the weight bytes; docs/performance.md)
+MAX_TOKEN_TILE = 1
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
