@@ -13,7 +13,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from ninfer.kernels.activation_quant import dequantize_activations, quantize_activations, quantize_activations_reference
+from ninfer.kernels.activation_quant import (
+    Int8Activations,
+    dequantize_activations,
+    quantize_activations,
+    quantize_activations_reference,
+)
 from ninfer.kernels.quant_linear import (
     dequantize,
     group_pairs,
@@ -46,7 +51,7 @@ def test_activation_quantizer_equals_its_reference_bit_for_bit():
     x[2, 5] = 1e4  # one outlier dominates its block
     x = x.to(DEVICE)
     got, expected = quantize_activations(x), quantize_activations_reference(x)
-    assert got.blocks.shape == (3, 256 // 32, 12)  # K padded to 256 lanes
+    assert got.blocks.shape == (3, 256 // 32, 12)  # K padded to 256 lanes, as the groupwise formats pad a row
     assert torch.equal(got.blocks, expected.blocks)
     lanes = dequantize_activations(got)
     assert torch.equal(lanes[:, 200:], torch.zeros_like(lanes[:, 200:]))
@@ -84,6 +89,31 @@ def test_gemv_equals_the_reference(fmt, tokens, n, k, block_k):
     assert _relative(got, expected) < RELATIVE_TOLERANCE, f"{fmt} T={tokens} [{n}, {k}]"
     exact = quant_linear_reference(x, data, (n, k), fmt)  # what int8 activations cost: about 0.5 % here
     assert float((got - exact).norm() / exact.norm()) < 0.015
+
+
+def _fenced(tensor: torch.Tensor, fence: int) -> torch.Tensor:
+    """`tensor` copied into the middle of a buffer whose other bytes are all `fence` (NaN bit patterns): a kernel
+    that reads past either end picks them up."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    buffer = torch.full((flat.numel() + 2 * 4096,), fence, dtype=torch.uint8, device=tensor.device)
+    buffer[4096 : 4096 + flat.numel()] = flat
+    return buffer[4096 : 4096 + flat.numel()].view(tensor.dtype).view(tensor.shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k"), [(40, 130), (33, 320)])
+def test_gemv_reads_nothing_outside_its_inputs(fmt, n, k):
+    """K of 130 pads to 256 lanes in the weights: the activation records must cover them (once they did not)."""
+    data, generator = _matrix(fmt, 3 * n, k, n + k)
+    x = torch.randn(2, k, generator=generator).to(DEVICE)
+    acts = quantize_activations(x)
+    fenced = Int8Activations(acts.source, _fenced(acts.blocks, 0xFF))
+    experts = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=DEVICE)
+    for kwargs in ({}, dict(experts=experts, expert_rows=n, x_per_slot=2)):
+        shape = (3 * n, k)
+        expected = quant_linear_gemv(acts, data, shape, fmt, **kwargs)
+        got = quant_linear_gemv(fenced, _fenced(data, 0xFF), shape, fmt, **kwargs)
+        assert torch.equal(got, expected), kwargs
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"])

@@ -1,8 +1,8 @@
 """Activations as int8 for the integer GEMV (`ninfer.kernels.quant_linear.quant_linear_gemv`).
 
 Contract: x `[T, K]` (fp32 / bf16 / fp16) becomes `Int8Activations` over K padded with zeros to a multiple of
-LANE_PAD (64) lanes, one record of RECORD (12) int32 words per block of BLOCK (32) lanes — `blocks`
-`[T, K_pad / 32, 12]`:
+LANE_PAD (128, as the groupwise formats pad a row) lanes, one record of RECORD (12) int32 words per block of BLOCK
+(32) lanes — `blocks` `[T, K_pad / 32, 12]`:
   * words 0–3: for the block's 8-lane units u = 0..3, the codes of lanes 8u + 0, 2, 4, 6 as the bytes of one
     word; words 4–7: the codes of lanes 8u + 1, 3, 5, 7. A packed 4-bit weight word's even / odd nibbles, masked
     in place, are the matching byte quads on the weight side;
@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from ninfer.quant.groupwise import K_ALIGN
+
 try:  # Triton is optional: the CPU path never needs it
     import triton
     import triton.language as tl
@@ -29,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 BLOCK = 32  # lanes per activation scale
-LANE_PAD = 64  # K is padded to this: a multiple of every groupwise format's group
+LANE_PAD = K_ALIGN  # K is padded as the groupwise formats pad a row (128 lanes): every weight lane meets a code
 RECORD = 12  # int32 words per block: 4 even quads, 4 odd quads, scale, sum, 2 zero
 
 
@@ -120,7 +122,7 @@ def quantize_activations(x: torch.Tensor) -> Int8Activations:
     tokens, k = x.shape
     count = padded_lanes(k) // BLOCK
     blocks = torch.empty((tokens, count, RECORD), dtype=torch.int32, device=x.device)
-    per_program = min(32, count)  # count is even: LANE_PAD / BLOCK = 2
+    per_program = min(32, count)  # count is a multiple of LANE_PAD / BLOCK = 4
     _quantize_kernel[(tokens, triton.cdiv(count, per_program))](x, blocks, k, count, x.stride(0),
                                                                BLOCKS=triton.next_power_of_2(per_program))
     return Int8Activations(x, blocks)

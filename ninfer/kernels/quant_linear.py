@@ -400,6 +400,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     if acts.source.shape[1] != k:
         raise ValueError(f"x has {acts.source.shape[1]} features, the matrix {k}")
     k_pad = codec.groups_per_row(k) * codec.group
+    if acts.blocks.shape[1] * 32 < k_pad:
+        raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix {k_pad}")
     slots = tokens if experts is None else experts.numel()
     out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=data.device)
     # tokens in tiles of up to MAX_TOKEN_TILE per program: x's records for more would not fit in registers
