@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ninfer.kernels import activation_quant, fp8_linear, fused, gdn_decode, paged_attention, quant_linear
+from ninfer.kernels import activation_quant, dense_linear, fp8_linear, fused, gdn_decode, paged_attention, quant_linear
 from ninfer.quant import codec_for
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.uint8: "u8",
@@ -79,7 +79,7 @@ def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict, di
 
 def _record_all() -> None:
     """Call every wrapper the fast path uses, in the variants it uses (formats, T, gather, KV dtypes)."""
-    for module in (activation_quant, quant_linear, fp8_linear, fused, gdn_decode, paged_attention):
+    for module in (activation_quant, dense_linear, quant_linear, fp8_linear, fused, gdn_decode, paged_attention):
         for name in dir(module):
             if name.startswith("_") and name.endswith("_kernel"):
                 setattr(module, name, _Recorder(module, name))
@@ -97,6 +97,7 @@ def _record_all() -> None:
     fp8 = codec_for(fp8_linear.FORMAT).encode(torch.randn(64, 512))
     fp8_linear.fp8_linear_gemv(x, fp8, (64, 512))
     fp8_linear.fp8_linear_gemv(x.repeat(4, 1), fp8, (64, 512))
+    dense_linear.dense_linear_gemv(x.repeat(3, 1), torch.randn(40, 512, dtype=torch.bfloat16))
     h = torch.randn(2, 256, dtype=torch.bfloat16)
     fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6)
     fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16))

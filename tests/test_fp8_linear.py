@@ -43,6 +43,14 @@ def test_fp8_gemv_equals_the_reference(tokens, n, k):
     assert _relative(fp8_linear_gemv(x, data, (n, k)), expected) < TOLERANCE
 
 
+def test_fp8_gemv_gives_a_token_the_same_bits_at_any_token_count():
+    generator = torch.Generator().manual_seed(9)
+    data = codec_for(FORMAT).encode(torch.randn(50, 600, generator=generator)).to(DEVICE)
+    x = torch.randn(7, 600, generator=generator).to(DEVICE, DTYPE)
+    single = torch.cat([fp8_linear_gemv(x[t : t + 1], data, (50, 600)) for t in range(7)])
+    assert torch.equal(fp8_linear_gemv(x, data, (50, 600)), single)
+
+
 def test_fp8_gather_and_rows():
     experts, rows, k = 4, 24, 256
     generator = torch.Generator().manual_seed(5)

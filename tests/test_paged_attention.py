@@ -177,8 +177,8 @@ DECODE_CASES = {  # name: (heads, kv_heads, head_dim, page, lengths, max_pages, 
 
 
 def test_the_decode_cases_cover_one_and_several_splits():
-    splits = {decode_split_plan(len(lengths), kvh, max_length or max_pages * page, DEVICE)
-              for _, kvh, _, page, lengths, max_pages, max_length in DECODE_CASES.values()}
+    splits = {decode_split_plan(kvh, max_length or max_pages * page, DEVICE)
+              for _, kvh, _, page, _, max_pages, max_length in DECODE_CASES.values()}
     assert 1 in splits and max(splits) >= 3, splits
 
 
@@ -210,6 +210,18 @@ def test_decode_equals_the_reference(case, kv_dtype):
     assert got.shape == q.shape and got.dtype == q.dtype
     error = float((got.cpu() - expected).abs().max() / expected.abs().max())
     assert error < DECODE_TOLERANCE, f"{case} {kv_dtype}: relative error {error:.2e}"
+
+
+def test_decode_gives_a_sequence_the_same_bits_in_any_batch():
+    """Speculative verify (many rows) must not change greedy decoding (few rows): a sequence's output does not depend
+    on the rows beside it, whose count once chose the number of splits."""
+    q, _, _, cache, table, lengths = decode_inputs("batch8", torch.float32, seed=3)
+    cache = [None if t is None else t.to(DEVICE) for t in cache]
+    q, table, lengths = q.to(DEVICE), table.to(DEVICE), lengths.to(DEVICE)
+    together = paged_attention_decode(q, *cache, table, lengths, 0.125, max_length=64)
+    for b in range(q.shape[0]):
+        alone = paged_attention_decode(q[b : b + 1], *cache, table[b : b + 1], lengths[b : b + 1], 0.125, max_length=64)
+        assert torch.equal(alone[0], together[b]), f"sequence {b}"
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

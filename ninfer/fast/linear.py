@@ -6,7 +6,8 @@ Routes (chosen by the format, the number of tokens T and what x is):
   * groupwise, x a tensor (prefill, any T): dequantize into a shared scratch buffer, then cuBLAS (the matmul
     dominates); stacked MoE experts go through the grouped kernel in one launch;
   * fp8 rows: the FP8 GEMV for T ≤ 16, rows decoded into the scratch buffer then cuBLAS for T > 16;
-  * bf16: cuBLAS directly (fp32 artifacts are converted to the activation dtype at load).
+  * bf16: the dense GEMV for T ≤ 16 (a token's result independent of T), cuBLAS beyond (fp32 artifacts are
+    converted to the activation dtype at load).
 The output has x's dtype unless asked otherwise; MoE experts go through `gather`.
 """
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.activation_quant import Int8Activations, quantize_activations
+from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
 from ninfer.kernels.fp8_linear import fp8_block, fp8_linear_gemv, fp8_rows
 from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, dequantize, quant_linear_gemv, quant_linear_grouped
@@ -81,6 +83,8 @@ class PackedLinear:
         source = x.source if isinstance(x, Int8Activations) else x
         out_dtype = out_dtype or source.dtype
         if not self.packed:
+            if source.shape[0] <= MAX_GEMV_TOKENS:  # a result per token whatever T (cuBLAS picks kernels by T)
+                return dense_linear_gemv(source.to(self.weight.dtype), self.weight, out_dtype=out_dtype)
             return F.linear(source.to(self.weight.dtype), self.weight).to(out_dtype)
         if isinstance(x, Int8Activations) and self.groupwise:
             return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype)

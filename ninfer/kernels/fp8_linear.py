@@ -5,10 +5,10 @@ Contract: x `[T, K]` (fp32 / bf16 / fp16), `data` the object's bytes (1-D uint8 
 y[t, n] = scale[n] · Σ_k x[t, k] · e4m3(code[n, k]), accumulated in fp32.
 
 `fp8_linear_gemv` (T ≤ 16: decode, verify; with `experts`, the MoE gather of `quant_linear_gemv`): each program
-owns BLOCK_N rows and walks K in BLOCK_K-byte tiles. The E4M3 → fp32 step is integer ops on the code's bits
-(sign, exponent rebiased from 7 to 127, mantissa moved up; subnormals as m · 2⁻⁹), exact and the same on every
-GPU — no reliance on hardware FP8 conversion (sm_89+ only). T = 1 multiplies in fp32 and scales the row sum;
-T > 1 rounds the scaled weights to x's dtype and meets x through `tl.dot`.
+owns BLOCK_N rows of one token (tokens side by side over the same rows) and walks K in BLOCK_K-byte tiles,
+multiplying in fp32 and scaling the row sum — so a token's result is the same bits at any T. The E4M3 → fp32
+step is integer ops on the code's bits (sign, exponent rebiased from 7 to 127, mantissa moved up; subnormals as
+m · 2⁻⁹), exact and the same on every GPU — no reliance on hardware FP8 conversion (sm_89+ only).
 `fp8_rows` / `fp8_block`: rows of W decoded in torch (embedding lookups; the prefill route's scratch).
 """
 
@@ -43,37 +43,22 @@ if triton is not None:
         return tl.where(exponent == 0, subnormal, normal)
 
     @triton.jit
-    def _fp8_gemv_kernel(x_ptr, code_ptr, scale_ptr, out_ptr, expert_ptr, T, N, K, stride_x, stride_out,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GATHER: tl.constexpr,
-                         X_PER_SLOT: tl.constexpr, IEEE: tl.constexpr):
+    def _fp8_gemv_kernel(x_ptr, code_ptr, scale_ptr, out_ptr, expert_ptr, N, K, stride_x, stride_out,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr):
         rows, row_ok, _, wrows, x_base, out_base = gemv_rows(x_ptr, out_ptr, expert_ptr, N, stride_x, stride_out,
                                                              BLOCK_N, GATHER, X_PER_SLOT)
+        if not GATHER:  # program_id(1): the token
+            x_base += tl.program_id(1).to(tl.int64) * stride_x
+            out_base += tl.program_id(1).to(tl.int64) * stride_out
         lanes = tl.arange(0, BLOCK_K)
         scale = tl.load(scale_ptr + wrows).to(tl.float32)
-        if BLOCK_T == 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K):
-                k_ok = (k0 + lanes) < K
-                bits = tl.load(code_ptr + wrows[:, None] * K + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0)
-                x = tl.load(x_base + k0 + lanes, mask=k_ok, other=0.0).to(tl.float32)
-                acc += e4m3_to_fp32(bits.to(tl.int32)) * x[None, :]
-            tl.store(out_base + rows, tl.sum(acc, axis=1) * scale, mask=row_ok)
-        else:
-            tokens = tl.arange(0, BLOCK_T)
-            token_ok = tokens < T
-            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K):
-                k_ok = (k0 + lanes) < K
-                bits = tl.load(code_ptr + wrows[:, None] * K + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0)
-                x = tl.load(x_base + tokens[None, :] * stride_x + (k0 + lanes)[:, None],
-                            mask=k_ok[:, None] & token_ok[None, :], other=0.0)
-                w = (e4m3_to_fp32(bits.to(tl.int32)) * scale[:, None]).to(x.dtype)
-                if IEEE:
-                    acc += tl.dot(w, x, input_precision="ieee")
-                else:
-                    acc += tl.dot(w, x)
-            out = out_base + tokens[None, :] * stride_out + rows[:, None]
-            tl.store(out, acc, mask=row_ok[:, None] & token_ok[None, :])
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            k_ok = (k0 + lanes) < K
+            bits = tl.load(code_ptr + wrows[:, None] * K + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0)
+            x = tl.load(x_base + k0 + lanes, mask=k_ok, other=0.0).to(tl.float32)
+            acc += e4m3_to_fp32(bits.to(tl.int32)) * x[None, :]
+        tl.store(out_base + rows, tl.sum(acc, axis=1) * scale, mask=row_ok)
 
 
 def _split(data: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,14 +81,10 @@ def fp8_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int],
         raise ValueError(f"fp8_linear_gemv: x {list(x.shape)} (stride 1 last) does not fit W {list(shape)}")
     slots = tokens if experts is None else experts.numel()
     out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=x.device)
-    block_t = 1 if tokens == 1 or experts is not None else 16
-    block_n = 256 if INTERPRETED else 64 if block_t > 1 else 8
-    block_k = 128 if block_t > 1 else 512
-    grid = (triton.cdiv(n, block_n), slots if experts is not None else 1)
-    _fp8_gemv_kernel[grid](x, codes, scales, out, experts if experts is not None else codes, tokens, n, k,
-                           x.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
-                           GATHER=experts is not None, X_PER_SLOT=x_per_slot, IEEE=x.dtype == torch.float32,
-                           num_warps=4)
+    block_n = 256 if INTERPRETED else 8
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n), slots)](
+        x, codes, scales, out, experts if experts is not None else codes, n, k, x.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=512, GATHER=experts is not None, X_PER_SLOT=x_per_slot, num_warps=4)
     return out
 
 

@@ -137,13 +137,15 @@ def paged_attention_reference(q: Tensor, key_pages: Tensor, value_pages: Tensor,
     return out
 
 
-def decode_split_plan(batch: int, kv_heads: int, max_length: int, device: torch.device) -> int:
+def decode_split_plan(kv_heads: int, max_length: int, device: torch.device) -> int:
     """Splits of `paged_attention_decode`, from host ints only: enough programs for about two waves over the GPU's
-    SMs (INTERPRETER_PROGRAMS without one), at most MAX_SPLITS, and no more than `max_length` has
-    BLOCK_POSITIONS tiles (each sequence then divides its own length among the splits on the device)."""
+    SMs (INTERPRETER_PROGRAMS without one) for one sequence, at most MAX_SPLITS, and no more than `max_length` has
+    BLOCK_POSITIONS tiles (each sequence then divides its own length among the splits on the device). Not a
+    function of the batch: a query's result is the same bits whatever rows share the call (a verify step's rows
+    equal the decode steps'; greedy output does not depend on what else is batched)."""
     blocks = max(1, -(-max_length // BLOCK_POSITIONS))
     target = 2 * _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_PROGRAMS
-    return max(1, min(-(-target // (batch * kv_heads)), MAX_SPLITS, blocks))
+    return max(1, min(-(-target // kv_heads), MAX_SPLITS, blocks))
 
 
 @functools.lru_cache
@@ -446,7 +448,7 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
         raise ValueError(f"paged_attention_decode: block_table {list(block_table.shape)} and lengths "
                          f"{list(lengths.shape)} must have B = {batch} rows")
     max_length = block_table.shape[1] * page if max_length is None else max_length
-    splits = decode_split_plan(batch, kv_heads, max_length, q.device)
+    splits = decode_split_plan(kv_heads, max_length, q.device)
     group = heads // kv_heads
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     partial_out = partial_max = partial_sum = out  # unused pointers without splits

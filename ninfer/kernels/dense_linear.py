@@ -1,0 +1,59 @@
+"""y = x · Wᵀ for a dense weight matrix (bf16 / fp16 / fp32) and few tokens, with a result per token that does not
+depend on how many tokens share the call.
+
+Contract: x `[T, K]` (fp32 / bf16 / fp16, stride 1 on K), W `[N, K]` (stride 1 on K), T ≤ 16. y[t, n] =
+Σ_k x[t, k] · W[n, k] accumulated in fp32, `[T, N]` in `out_dtype` (default fp32).
+
+`dense_linear_gemv`: each program owns BLOCK_N rows of one token (the tokens' programs side by side over the same
+rows) and walks K in BLOCK_K tiles, multiplying in fp32 into a `[BLOCK_N, BLOCK_K]` accumulator summed at the
+end. The decode steps' small bf16 matrices (GDN a/b projection, MoE router) take it instead of cuBLAS, whose
+kernel choice changes with T: with it every matrix of a decode step gives a token the same bits at any batch
+(a verify step's rows equal the decode steps'). Runs under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS
+
+try:  # Triton is optional: the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        token = tl.program_id(1).to(tl.int64)
+        lanes = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            k_ok = (k0 + lanes) < K
+            w = tl.load(w_ptr + safe_rows[:, None] * stride_w + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + token * stride_x + k0 + lanes, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(out_ptr + token * stride_out + rows, tl.sum(acc, axis=1), mask=row_ok)
+
+
+def dense_linear_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`[T, N]` (see the module docstring)."""
+    if triton is None:
+        raise RuntimeError("the dense GEMV needs the triton package")
+    tokens, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= tokens <= MAX_GEMV_TOKENS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"dense_linear_gemv: x {list(x.shape)} and W {list(weight.shape)} (1..{MAX_GEMV_TOKENS} "
+                         f"tokens, the same K, stride 1 on K)")
+    out = torch.empty((tokens, n), dtype=out_dtype or torch.float32, device=x.device)
+    block_n = 64 if INTERPRETED else 8
+    _dense_gemv_kernel[(triton.cdiv(n, block_n), tokens)](x, weight, out, n, k, x.stride(0), weight.stride(0),
+                                                         out.stride(0), BLOCK_N=block_n, BLOCK_K=256, num_warps=4)
+    return out
