@@ -100,6 +100,7 @@ def _record_all() -> None:
     dense_linear.dense_linear_gemv(x.repeat(3, 1), torch.randn(40, 512, dtype=torch.bfloat16))
     h = torch.randn(2, 256, dtype=torch.bfloat16)
     fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6)
+    fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6, quantize=True)
     fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16))
     fused.sigmoid_mul(h, h)
     fused.route_top_k(torch.randn(2, 257, dtype=torch.bfloat16), 256, 8)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.moe import route_top_k as route_top_k_reference
 from ninfer.kernels.norm import rms_norm
@@ -23,6 +24,19 @@ TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[DTYPE]  # relative, larg
 def _close(got, expected):
     scale = expected.float().abs().max()
     return float((got.float() - expected.float()).abs().max() / scale) <= TOLERANCE
+
+
+@pytest.mark.parametrize("width", [64, 300, 5120])
+@pytest.mark.parametrize("residual", [True, False])
+def test_add_rms_norm_quantizes_its_output_as_the_quantizer_does(width, residual):
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(3, width, generator=generator).to(DEVICE, DTYPE)
+    h = torch.randn(3, width, generator=generator).to(DEVICE, DTYPE) if residual else None
+    weight = torch.randn(width, generator=generator).to(DEVICE, DTYPE)
+    total, plain = add_rms_norm(x, h, weight, 1e-6)
+    total_q, acts = add_rms_norm(x, h, weight, 1e-6, quantize=True)
+    assert torch.equal(total_q, total) and torch.equal(acts.source, plain)
+    assert torch.equal(acts.blocks, quantize_activations(plain).blocks)
 
 
 @pytest.mark.parametrize("width", [256, 300, 5120])

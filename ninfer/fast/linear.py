@@ -34,9 +34,12 @@ def is_packed(fmt: str) -> bool:
     return is_groupwise(fmt) or fmt == FP8_FORMAT
 
 
-def shared_input(x: torch.Tensor, readers: list[PackedLinear]) -> torch.Tensor | Int8Activations:
+def shared_input(x: torch.Tensor | Int8Activations, readers: list[PackedLinear]) -> torch.Tensor | Int8Activations:
     """x prepared once for the matrices `readers` that all multiply it: its int8 image when some of them will take
-    the integer GEMV (T ≤ 16 and groupwise), else x."""
+    the integer GEMV (T ≤ 16 and groupwise), else x. An input that comes quantized (`add_rms_norm(quantize=True)`)
+    is passed on."""
+    if isinstance(x, Int8Activations):
+        return x
     if x.shape[0] <= MAX_GEMV_TOKENS and any(reader.groupwise for reader in readers):
         return quantize_activations(x)
     return x

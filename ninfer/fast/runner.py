@@ -33,7 +33,7 @@ from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normali
 from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
-from ninfer.kernels.quant_linear import INTERPRETED, group_pairs
+from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs
 from ninfer.kernels.rope import rope_inv_freq
 from ninfer.model.config import FULL_ATTENTION, TextConfig
 
@@ -303,15 +303,17 @@ class FastQwen35:
     def _layers(self, x: torch.Tensor, attention, gdn, integer: bool) -> torch.Tensor:
         """The decoder layers and the final norm over embedded tokens x `[T, H]`; the residual adds are fused into
         the next norm. `attention(h, layer)` / `gdn(h, layer)` are the mixers; `integer`: decode-step numerics
-        (int8 activations in the GEMVs, MoE experts gathered per token) rather than the prefill's."""
+        (int8 activations in the GEMVs, MoE experts gathered per token) rather than the prefill's — then h comes
+        as `Int8Activations`, quantized by the norm that made it."""
         c = self.config
-        x, h = add_rms_norm(x, None, self.vectors["layers/0/input_norm"], c.rms_eps)
+        quantize = integer and x.shape[0] <= MAX_GEMV_TOKENS  # the norms emit the GEMVs' int8 records themselves
+        x, h = add_rms_norm(x, None, self.vectors["layers/0/input_norm"], c.rms_eps, quantize)
         for i, kind in enumerate(c.layer_types):
             prefix = f"layers/{i}/"
             mixed = attention(h, i) if kind == FULL_ATTENTION else gdn(h, i)
-            x, h = add_rms_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], c.rms_eps)
+            x, h = add_rms_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], c.rms_eps, quantize)
             following = f"layers/{i + 1}/input_norm" if i + 1 < c.layers else "final_norm"
-            x, h = add_rms_norm(x, self._mlp(h, prefix, integer), self.vectors[following], c.rms_eps)
+            x, h = add_rms_norm(x, self._mlp(h, prefix, integer), self.vectors[following], c.rms_eps, quantize)
         return h
 
     def _attention_inputs(self, h: torch.Tensor, layer: int, positions: torch.Tensor, tables: torch.Tensor,

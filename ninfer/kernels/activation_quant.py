@@ -44,6 +44,10 @@ class Int8Activations(NamedTuple):
         return self.source.shape[0]
 
     @property
+    def shape(self) -> torch.Size:
+        return self.source.shape
+
+    @property
     def scales(self) -> torch.Tensor:
         return self.blocks[..., 8].view(torch.float32)
 
@@ -89,11 +93,11 @@ def dequantize_activations(acts: Int8Activations) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _quantize_kernel(x_ptr, blocks_ptr, K, block_count, stride_x, BLOCKS: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-        lane = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]
-        x = tl.load(x_ptr + t * stride_x + lane, mask=lane < K, other=0.0).to(tl.float32)
+    def store_records(x, record_ptr, blocks, block_count):
+        """Quantize x `[BLOCKS, 32]` fp32 (the lanes of blocks `blocks` of one row) and store their records at
+        `record_ptr` (the row's first record); blocks ≥ `block_count` are not stored. Shared by the quantizer and
+        the kernels that quantize their own output (`fused.add_rms_norm`)."""
+        BLOCKS: tl.constexpr = x.shape[0]
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
         y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
         # round half to even by the 1.5 · 2^23 magic number (|y| ≤ 127.5): the code sits in the low mantissa bits
@@ -106,11 +110,19 @@ if triton is not None:
         word = tl.arange(0, 4)[None, :]
         meta = tl.where(word == 0, scale.to(tl.int32, bitcast=True)[:, None],
                         tl.where(word == 1, tl.sum(codes, axis=1)[:, None], 0))
-        record = blocks_ptr + (t * block_count + blocks[:, None]) * 12 + word
+        record = record_ptr + blocks[:, None] * 12 + word
         ok = (blocks < block_count)[:, None]
         tl.store(record, even, mask=ok)
         tl.store(record + 4, odd, mask=ok)
         tl.store(record + 8, meta, mask=ok)
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, blocks_ptr, K, block_count, stride_x, BLOCKS: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        lane = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]
+        x = tl.load(x_ptr + t * stride_x + lane, mask=lane < K, other=0.0).to(tl.float32)
+        store_records(x, blocks_ptr + t * block_count * 12, blocks, block_count)
 
 
 def quantize_activations(x: torch.Tensor) -> Int8Activations:

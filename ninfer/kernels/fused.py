@@ -3,7 +3,8 @@ several: a decode step of a 64-layer model runs a few hundred of them, so launch
 
   * `add_rms_norm(x, h, weight, eps)`: s = x + h rounded to x's dtype (the residual add), then the zero-centred
     RMSNorm of s exactly as `ninfer.kernels.norm.rms_norm` (fp32 inside, `x̂ · (1 + w)`, one rounding);
-    returns (s, norm(s)). With h None it is only the norm.
+    returns (s, norm(s)). With h None it is only the norm. With `quantize`, norm(s) also comes as the int8
+    records of `ninfer.kernels.activation_quant` (for the decode step's integer GEMVs: no separate launch).
   * `silu_mul(gate_up)`: silu(gate) · up of a `[B, 2I]` gate/up projection (gate first), in its dtype — the SwiGLU
     activation as `swiglu_mlp` computes it (silu rounded to the dtype, then the product rounded).
   * `sigmoid_mul(x, gate)`: x · sigmoid(gate) in x's dtype (the attention output gate).
@@ -22,18 +23,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ninfer.kernels.activation_quant import BLOCK as ACTIVATION_BLOCK
+from ninfer.kernels.activation_quant import RECORD, Int8Activations, padded_lanes
+
 try:  # Triton is optional: the CPU path never needs it
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
+if triton is not None:
+    from ninfer.kernels.activation_quant import store_records
+
 
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, D, stride_x, stride_h, stride_out, eps,
-                             HAS_H: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_out,
+                             eps, record_count, HAS_H: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         ok = d < D
@@ -43,8 +50,12 @@ if triton is not None:
             tl.store(sum_ptr + row * D + d, x, mask=ok)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
-        y = xf * rstd * (1.0 + tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32))
-        tl.store(out_ptr + row * stride_out + d, y.to(out_ptr.dtype.element_ty), mask=ok)
+        y = (xf * rstd * (1.0 + tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32))).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_out + d, y, mask=ok)
+        if QUANTIZE:  # the rounded output's int8 records, as `quantize_activations` would make them
+            blocks = tl.arange(0, BLOCK // 32)
+            store_records(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]), records_ptr + row * record_count * 12,
+                          blocks, record_count)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, width, stride_gu, BLOCK: tl.constexpr):
@@ -117,17 +128,22 @@ def _check(name: str, *tensors: Tensor) -> None:
                              f"strides {t.stride()}")
 
 
-def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(s, rms_norm(s)) with s = x + h (or s = x when h is None); see the module docstring."""
+def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
+                 quantize: bool = False) -> tuple[Tensor, Tensor | Int8Activations]:
+    """(s, rms_norm(s)) with s = x + h (or s = x when h is None); see the module docstring. With `quantize`, the
+    norm comes as `Int8Activations` (its int8 records made in the same pass, equal to `quantize_activations`'s)."""
     _check("add_rms_norm", x, *([h] if h is not None else []))
     rows, width = x.shape
     total = torch.empty((rows, width), dtype=x.dtype, device=x.device) if h is not None else x
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-    block = triton.next_power_of_2(width)
-    _add_rms_norm_kernel[(rows,)](x, h if h is not None else x, weight, total, out, width, x.stride(0),
-                                  h.stride(0) if h is not None else 0, out.stride(0), eps, HAS_H=h is not None,
-                                  BLOCK=block, num_warps=max(1, min(16, block // 256)))
-    return total, out
+    record_count = padded_lanes(width) // ACTIVATION_BLOCK
+    records = torch.empty((rows, record_count, RECORD), dtype=torch.int32, device=x.device) if quantize else out
+    block = max(triton.next_power_of_2(width), padded_lanes(width) if quantize else 1)
+    _add_rms_norm_kernel[(rows,)](x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
+                                  h.stride(0) if h is not None else 0, out.stride(0), eps, record_count,
+                                  HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block,
+                                  num_warps=max(1, min(16, block // 256)))
+    return total, Int8Activations(out, records) if quantize else out
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
