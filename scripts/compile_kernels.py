@@ -102,6 +102,7 @@ def _record_all() -> None:
     fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6)
     fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6, quantize=True)
     fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16))
+    fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16), quantize=True)
     fused.sigmoid_mul(h, h)
     fused.route_top_k(torch.randn(2, 257, dtype=torch.bfloat16), 256, 8)
     fused.moe_combine(torch.randn(16, 256, dtype=torch.bfloat16), torch.rand(2, 8, dtype=torch.bfloat16), h,

@@ -39,6 +39,16 @@ def test_add_rms_norm_quantizes_its_output_as_the_quantizer_does(width, residual
     assert torch.equal(acts.blocks, quantize_activations(plain).blocks)
 
 
+@pytest.mark.parametrize("width", [64, 1500, 2048])
+def test_silu_mul_quantizes_its_output_as_the_quantizer_does(width):
+    generator = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(3, 2 * width, generator=generator) * 3).to(DEVICE, DTYPE)
+    plain = silu_mul(gate_up)
+    acts = silu_mul(gate_up, quantize=True)
+    assert torch.equal(acts.source, plain)
+    assert torch.equal(acts.blocks, quantize_activations(plain).blocks)
+
+
 @pytest.mark.parametrize("width", [256, 300, 5120])
 def test_add_rms_norm_equals_add_then_rms_norm(width):
     generator = torch.Generator().manual_seed(width)

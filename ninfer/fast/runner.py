@@ -300,13 +300,19 @@ class FastQwen35:
         source = shared_input(x, readers) if integer else x
         return [reader(source) for reader in readers]
 
+    @staticmethod
+    def _quantizes(x: torch.Tensor, integer: bool) -> bool:
+        """Whether a kernel making x's rows should also make their int8 records: a decode or verify step's input of
+        the integer GEMV (at most MAX_GEMV_TOKENS rows)."""
+        return integer and x.shape[0] <= MAX_GEMV_TOKENS
+
     def _layers(self, x: torch.Tensor, attention, gdn, integer: bool) -> torch.Tensor:
         """The decoder layers and the final norm over embedded tokens x `[T, H]`; the residual adds are fused into
         the next norm. `attention(h, layer)` / `gdn(h, layer)` are the mixers; `integer`: decode-step numerics
         (int8 activations in the GEMVs, MoE experts gathered per token) rather than the prefill's — then h comes
         as `Int8Activations`, quantized by the norm that made it."""
         c = self.config
-        quantize = integer and x.shape[0] <= MAX_GEMV_TOKENS  # the norms emit the GEMVs' int8 records themselves
+        quantize = self._quantizes(x, integer)  # the norms emit the GEMVs' int8 records themselves
         x, h = add_rms_norm(x, None, self.vectors["layers/0/input_norm"], c.rms_eps, quantize)
         for i, kind in enumerate(c.layer_types):
             prefix = f"layers/{i}/"
@@ -363,17 +369,19 @@ class FastQwen35:
         c = self.config
         if not c.moe:
             (gate_up,) = self._linears([prefix + "mlp/gate_up"], h, integer)
-            return self._linear(prefix + "mlp/down", silu_mul(gate_up), integer)
+            return self._linear(prefix + "mlp/down", silu_mul(gate_up, self._quantizes(gate_up, integer)), integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]
         source = shared_input(h, [*readers, routed_gate_up]) if integer else h
         logits, shared_gate_up = (reader(source) for reader in readers)
         weights, ids = route_top_k(logits, c.experts, c.top_k)
-        shared = self._linear(prefix + "moe/shared_down", silu_mul(shared_gate_up), integer)
+        shared = self._linear(prefix + "moe/shared_down",
+                              silu_mul(shared_gate_up, self._quantizes(shared_gate_up, integer)), integer)
         if integer:
             flat = ids.reshape(-1)
-            activation = silu_mul(routed_gate_up.gather(source, flat, 2 * c.expert_width, c.top_k))
+            activation = silu_mul(routed_gate_up.gather(source, flat, 2 * c.expert_width, c.top_k),
+                                  quantize=routed_down.groupwise)
             routed = routed_down.gather(activation, flat, c.hidden, 1)
         else:
             routed = self._moe_prefill(h, ids, routed_gate_up, routed_down)

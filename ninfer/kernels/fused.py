@@ -6,7 +6,8 @@ several: a decode step of a 64-layer model runs a few hundred of them, so launch
     returns (s, norm(s)). With h None it is only the norm. With `quantize`, norm(s) also comes as the int8
     records of `ninfer.kernels.activation_quant` (for the decode step's integer GEMVs: no separate launch).
   * `silu_mul(gate_up)`: silu(gate) · up of a `[B, 2I]` gate/up projection (gate first), in its dtype — the SwiGLU
-    activation as `swiglu_mlp` computes it (silu rounded to the dtype, then the product rounded).
+    activation as `swiglu_mlp` computes it (silu rounded to the dtype, then the product rounded). With `quantize`,
+    also the int8 records of the result (as `add_rms_norm`'s).
   * `sigmoid_mul(x, gate)`: x · sigmoid(gate) in x's dtype (the attention output gate).
   * `route_top_k(logits, experts, top_k)`: the MoE routing of `ninfer.kernels.moe.route_top_k` in one launch —
     the top-k of the first `experts` logits (iterated argmax, ties to the lower id, sorted by descending logit)
@@ -58,7 +59,8 @@ if triton is not None:
                           blocks, record_count)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, width, stride_gu, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE: tl.constexpr,
+                         BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < width
@@ -66,7 +68,12 @@ if triton is not None:
         up = tl.load(gu_ptr + row * stride_gu + width + cols, mask=ok, other=0.0)
         g = gate.to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        tl.store(out_ptr + row * width + cols, (silu * up).to(gate.dtype), mask=ok)
+        y = (silu * up).to(gate.dtype)
+        tl.store(out_ptr + row * width + cols, y, mask=ok)
+        if QUANTIZE:  # this tile's whole 32-lane blocks (BLOCK is a multiple of 128): their int8 records
+            blocks = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+            store_records(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]), records_ptr + row * record_count * 12,
+                          blocks, record_count)
 
     @triton.jit
     def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, D, stride_x, stride_gate, BLOCK: tl.constexpr):
@@ -146,15 +153,19 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
     return total, Int8Activations(out, records) if quantize else out
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """silu(gate_up[:, :I]) · gate_up[:, I:] → `[B, I]`."""
+def silu_mul(gate_up: Tensor, quantize: bool = False) -> Tensor | Int8Activations:
+    """silu(gate_up[:, :I]) · gate_up[:, I:] → `[B, I]`; with `quantize`, as `Int8Activations` (its int8 records
+    made in the same pass, equal to `quantize_activations`'s)."""
     _check("silu_mul", gate_up)
     rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](gate_up, out, inter, gate_up.stride(0),
-                                                                  BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
-    return out
+    record_count = padded_lanes(inter) // ACTIVATION_BLOCK
+    records = torch.empty((rows, record_count, RECORD), dtype=torch.int32, device=out.device) if quantize else out
+    _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](
+        gate_up, out, records, inter, gate_up.stride(0), record_count, QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK,
+        num_warps=4)
+    return Int8Activations(out, records) if quantize else out
 
 
 def sigmoid_mul(x: Tensor, gate: Tensor) -> Tensor:
