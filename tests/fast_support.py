@@ -33,7 +33,7 @@ def int8_activations(reference: Qwen35Model, path: str, head_only: bool = False)
     with Artifact.open(path) as artifact:
         groupwise = {obj.id.removeprefix("text/") for obj in artifact.objects
                      if obj.kind == "tensor" and isinstance(codec_for(obj.format), GroupwiseCodec)}
-    names = [_head_name(reference)] if head_only else list(reference.weights)
+    names = [name for name, weight in reference.weights.items() if not head_only or weight is reference.head]
     storages = {reference.weights[name].untyped_storage().data_ptr() for name in names if name in groupwise}
     matmul, linear = torch.Tensor.__matmul__, torch.nn.functional.linear
 
@@ -50,6 +50,3 @@ def int8_activations(reference: Qwen35Model, path: str, head_only: bool = False)
     finally:
         torch.Tensor.__matmul__, torch.nn.functional.linear = matmul, linear
 
-
-def _head_name(reference: Qwen35Model) -> str:
-    return "output_head" if "output_head" in reference.weights else "token_embedding"

@@ -45,6 +45,11 @@ def shared_input(x: torch.Tensor | Int8Activations, readers: list[PackedLinear])
     return x
 
 
+def _source(x: torch.Tensor | Int8Activations) -> torch.Tensor:
+    """The activations themselves (for the routes that do not take int8 records)."""
+    return x.source if isinstance(x, Int8Activations) else x
+
+
 class Scratch:
     """One growable buffer in the activation dtype shared by every prefill dequantization (one matrix is live at a
     time); the activation dtype is also what non-packed weights are kept in."""
@@ -83,7 +88,7 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor | Int8Activations, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x `[T, K]` (or its `shared_input`) → `[T, N]` in `out_dtype` (default x's dtype)."""
-        source = x.source if isinstance(x, Int8Activations) else x
+        source = _source(x)
         out_dtype = out_dtype or source.dtype
         if not self.packed:
             if source.shape[0] <= MAX_GEMV_TOKENS:  # a result per token whatever T (cuBLAS picks kernels by T)
@@ -119,10 +124,9 @@ class PackedLinear:
                x_per_slot: int) -> torch.Tensor:
         """W stacks experts of `expert_rows` rows: row s of the result is x[s // x_per_slot] · W_{experts[s]}ᵀ."""
         if self.groupwise:
-            dtype = x.source.dtype if isinstance(x, Int8Activations) else x.dtype
-            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=dtype, experts=experts,
-                                     expert_rows=expert_rows, x_per_slot=x_per_slot)
-        x = x.source if isinstance(x, Int8Activations) else x
+            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=_source(x).dtype,
+                                     experts=experts, expert_rows=expert_rows, x_per_slot=x_per_slot)
+        x = _source(x)
         if not self.packed:
             stacked = self.weight.view(-1, expert_rows, self.shape[1])[experts]  # [S, rows, K]
             inputs = x.repeat_interleave(x_per_slot, dim=0) if x_per_slot > 1 else x

@@ -244,7 +244,7 @@ class FastQwen35:
         for state in states:
             state.length += tokens
             state.pending = tokens
-        return self._linear("head", h, integer=True, out_dtype=torch.float32).view(batch, tokens, -1)
+        return self._linear(self.head, h, integer=True, out_dtype=torch.float32).view(batch, tokens, -1)
 
     def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
         """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step: its length drops to
@@ -286,19 +286,19 @@ class FastQwen35:
         x = self.linears["token_embedding"].rows(ids)
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
                          lambda h, i: self._gdn_decode(h, i, slots), integer=True)
-        return self._linear("head", h, integer=True, out_dtype=torch.float32)
+        return self._linear(self.head, h, integer=True, out_dtype=torch.float32)
 
-    def _linear(self, name: str, x: torch.Tensor, integer: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x through one matrix (`name`, or "head"): with `integer` (decode and verify steps) the integer GEMV over
-        x's int8 image, else the exact route (packed weights decoded for cuBLAS; the prefill's numerics)."""
-        linear = self.head if name == "head" else self.linears[name]
-        return linear(shared_input(x, [linear]) if integer else x, out_dtype=out_dtype)
-
-    def _linears(self, names: list[str], x: torch.Tensor, integer: bool) -> list[torch.Tensor]:
-        """x through several matrices that read it, quantized once for them with `integer`."""
-        readers = [self.linears[name] for name in names]
+    def _linears(self, readers: list[PackedLinear], x: torch.Tensor, integer: bool,
+                 out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """x through the matrices `readers`: with `integer` (decode and verify steps) the integer GEMV over x's int8
+        image, made once for all of them; else the exact route (packed weights decoded for cuBLAS: the prefill's
+        numerics)."""
         source = shared_input(x, readers) if integer else x
-        return [reader(source) for reader in readers]
+        return [reader(source, out_dtype=out_dtype) for reader in readers]
+
+    def _linear(self, reader: PackedLinear, x: torch.Tensor, integer: bool,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self._linears([reader], x, integer, out_dtype)[0]
 
     @staticmethod
     def _quantizes(x: torch.Tensor, integer: bool) -> bool:
@@ -330,7 +330,8 @@ class FastQwen35:
         c, cache = self.config, self.cache
         prefix = f"layers/{layer}/attention/"
         q_rows = c.heads * c.head_dim
-        query_key, gate_value = self._linears([prefix + "query_key", prefix + "gate_value"], h, integer)
+        query_key, gate_value = self._linears([self.linears[prefix + n] for n in ("query_key", "gate_value")], h,
+                                              integer)
         q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
                             positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
         v = gate_value[:, q_rows:].view(h.shape[0], c.kv_heads, c.head_dim)
@@ -345,14 +346,15 @@ class FastQwen35:
         q, gate, pools = self._attention_inputs(h, layer, positions, tables, integer=True)
         o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
                                    max_length=cache.max_pages * cache.page)
-        return self._linear(f"layers/{layer}/attention/output", sigmoid_mul(o.view(h.shape[0], -1), gate), True)
+        return self._linear(self.linears[f"layers/{layer}/attention/output"], sigmoid_mul(o.view(h.shape[0], -1), gate),
+                            integer=True)
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
                     snapshots: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         prefix = f"layers/{layer}/gdn/"
         value_rows = c.v_heads * c.v_dim
-        query_key, value_z, a_b = self._linears([prefix + n for n in GDN_PROJECTIONS], h, integer=True)
+        query_key, value_z, a_b = self._linears([self.linears[prefix + n] for n in GDN_PROJECTIONS], h, integer=True)
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
                               self.vectors[prefix + "convolution"], self.cache.conv[index], slots, tokens=tokens,
@@ -361,22 +363,23 @@ class FastQwen35:
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
                                tokens=tokens, snapshot_slots=snapshots)
-        return self._linear(prefix + "output", o, integer=True)
+        return self._linear(self.linears[prefix + "output"], o, integer=True)
 
     def _mlp(self, h: torch.Tensor, prefix: str, integer: bool) -> torch.Tensor:
         """SwiGLU MLP or sparse MoE. With `integer` (decode, verify) every (token, expert) pair goes through the
         gathering GEMV (no host sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
         c = self.config
         if not c.moe:
-            (gate_up,) = self._linears([prefix + "mlp/gate_up"], h, integer)
-            return self._linear(prefix + "mlp/down", silu_mul(gate_up, self._quantizes(gate_up, integer)), integer)
+            gate_up = self._linear(self.linears[prefix + "mlp/gate_up"], h, integer)
+            return self._linear(self.linears[prefix + "mlp/down"], silu_mul(gate_up, self._quantizes(gate_up, integer)),
+                                integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]
         source = shared_input(h, [*readers, routed_gate_up]) if integer else h
         logits, shared_gate_up = (reader(source) for reader in readers)
         weights, ids = route_top_k(logits, c.experts, c.top_k)
-        shared = self._linear(prefix + "moe/shared_down",
+        shared = self._linear(self.linears[prefix + "moe/shared_down"],
                               silu_mul(shared_gate_up, self._quantizes(shared_gate_up, integer)), integer)
         if integer:
             flat = ids.reshape(-1)
@@ -424,7 +427,7 @@ class FastQwen35:
                          lambda h, i: self._gdn_prefill(h, i, state), integer=False)
         state.length = start + tokens
         # the head reads one row (or few): the integer GEMV, as in decode steps, not a dequantized vocabulary matrix
-        logits = self._linear("head", h if all_logits else h[-1:], integer=True, out_dtype=torch.float32)
+        logits = self._linear(self.head, h if all_logits else h[-1:], integer=True, out_dtype=torch.float32)
         return logits if all_logits else logits[0]
 
     def _attention_prefill(self, h: torch.Tensor, layer: int, state: SlotState,
@@ -450,7 +453,7 @@ class FastQwen35:
         prefix = f"layers/{layer}/gdn/"
         tokens = h.shape[0]
         key_rows, value_rows = c.k_heads * c.k_dim, c.v_heads * c.v_dim
-        query_key, value_z, a_b = self._linears([prefix + n for n in GDN_PROJECTIONS], h, integer=False)
+        query_key, value_z, a_b = self._linears([self.linears[prefix + n] for n in GDN_PROJECTIONS], h, integer=False)
         index = cache.gdn_index[layer]
         mixed, window = causal_conv1d(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
                                       self.vectors[prefix + "convolution"], cache.conv[index, state.slot])

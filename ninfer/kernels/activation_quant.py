@@ -40,10 +40,6 @@ class Int8Activations(NamedTuple):
     blocks: torch.Tensor  # [T, K_pad / BLOCK, RECORD] int32
 
     @property
-    def tokens(self) -> int:
-        return self.source.shape[0]
-
-    @property
     def shape(self) -> torch.Size:
         return self.source.shape
 
@@ -58,6 +54,11 @@ class Int8Activations(NamedTuple):
 
 def padded_lanes(k: int) -> int:
     return -(-k // LANE_PAD) * LANE_PAD
+
+
+def empty_records(rows: int, k: int, device: torch.device) -> torch.Tensor:
+    """Uninitialised `blocks` for `rows` inputs of `k` lanes, for the kernels that write them."""
+    return torch.empty((rows, padded_lanes(k) // BLOCK, RECORD), dtype=torch.int32, device=device)
 
 
 def quantize_activations_reference(x: torch.Tensor) -> Int8Activations:
@@ -132,9 +133,8 @@ def quantize_activations(x: torch.Tensor) -> Int8Activations:
     if x.stride(-1) != 1:
         x = x.contiguous()
     tokens, k = x.shape
-    count = padded_lanes(k) // BLOCK
-    blocks = torch.empty((tokens, count, RECORD), dtype=torch.int32, device=x.device)
-    per_program = min(32, count)  # count is a multiple of LANE_PAD / BLOCK = 4
-    _quantize_kernel[(tokens, triton.cdiv(count, per_program))](x, blocks, k, count, x.stride(0),
-                                                               BLOCKS=triton.next_power_of_2(per_program))
+    blocks = empty_records(tokens, k, x.device)
+    count = blocks.shape[1]
+    per_program = min(32, triton.next_power_of_2(count))
+    _quantize_kernel[(tokens, triton.cdiv(count, per_program))](x, blocks, k, count, x.stride(0), BLOCKS=per_program)
     return Int8Activations(x, blocks)

@@ -4,8 +4,8 @@ depend on how many tokens share the call.
 Contract: x `[T, K]` (fp32 / bf16 / fp16, stride 1 on K), W `[N, K]` (stride 1 on K), T ≤ 16. y[t, n] =
 Σ_k x[t, k] · W[n, k] accumulated in fp32, `[T, N]` in `out_dtype` (default fp32).
 
-`dense_linear_gemv`: each program owns BLOCK_N rows of one token (the tokens' programs side by side over the same
-rows) and walks K in BLOCK_K tiles, multiplying in fp32 into a `[BLOCK_N, BLOCK_K]` accumulator summed at the
+`dense_linear_gemv`: each program owns BLOCK_N rows of one token (grid: row tiles × tokens) and walks K in
+BLOCK_K tiles, multiplying in fp32 into a `[BLOCK_N, BLOCK_K]` accumulator summed at the
 end. The decode steps' small bf16 matrices (GDN a/b projection, MoE router) take it instead of cuBLAS, whose
 kernel choice changes with T: with it every matrix of a decode step gives a token the same bits at any batch
 (a verify step's rows equal the decode steps'). Runs under TRITON_INTERPRET=1.

@@ -5,7 +5,7 @@ Contract: x `[T, K]` (fp32 / bf16 / fp16), `data` the object's bytes (1-D uint8 
 y[t, n] = scale[n] · Σ_k x[t, k] · e4m3(code[n, k]), accumulated in fp32.
 
 `fp8_linear_gemv` (T ≤ 16: decode, verify; with `experts`, the MoE gather of `quant_linear_gemv`): each program
-owns BLOCK_N rows of one token (tokens side by side over the same rows) and walks K in BLOCK_K-byte tiles,
+owns BLOCK_N rows of one token (grid: row tiles × tokens) and walks K in BLOCK_K-byte tiles,
 multiplying in fp32 and scaling the row sum — so a token's result is the same bits at any T. The E4M3 → fp32
 step is integer ops on the code's bits (sign, exponent rebiased from 7 to 127, mantissa moved up; subnormals as
 m · 2⁻⁹), exact and the same on every GPU — no reliance on hardware FP8 conversion (sm_89+ only).

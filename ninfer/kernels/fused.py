@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ninfer.kernels.activation_quant import BLOCK as ACTIVATION_BLOCK
-from ninfer.kernels.activation_quant import RECORD, Int8Activations, padded_lanes
+from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -143,13 +142,12 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
     rows, width = x.shape
     total = torch.empty((rows, width), dtype=x.dtype, device=x.device) if h is not None else x
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-    record_count = padded_lanes(width) // ACTIVATION_BLOCK
-    records = torch.empty((rows, record_count, RECORD), dtype=torch.int32, device=x.device) if quantize else out
+    records = empty_records(rows, width, x.device) if quantize else out
     block = max(triton.next_power_of_2(width), padded_lanes(width) if quantize else 1)
     _add_rms_norm_kernel[(rows,)](x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
-                                  h.stride(0) if h is not None else 0, out.stride(0), eps, record_count,
-                                  HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block,
-                                  num_warps=max(1, min(16, block // 256)))
+                                  h.stride(0) if h is not None else 0, out.stride(0), eps,
+                                  records.shape[1] if quantize else 0, HAS_H=h is not None, QUANTIZE=quantize,
+                                  BLOCK=block, num_warps=max(1, min(16, block // 256)))
     return total, Int8Activations(out, records) if quantize else out
 
 
@@ -160,11 +158,10 @@ def silu_mul(gate_up: Tensor, quantize: bool = False) -> Tensor | Int8Activation
     rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
-    record_count = padded_lanes(inter) // ACTIVATION_BLOCK
-    records = torch.empty((rows, record_count, RECORD), dtype=torch.int32, device=out.device) if quantize else out
+    records = empty_records(rows, inter, out.device) if quantize else out
     _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](
-        gate_up, out, records, inter, gate_up.stride(0), record_count, QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK,
-        num_warps=4)
+        gate_up, out, records, inter, gate_up.stride(0), records.shape[1] if quantize else 0, QUANTIZE=quantize,
+        BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
     return Int8Activations(out, records) if quantize else out
 
 

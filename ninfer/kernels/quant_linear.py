@@ -228,8 +228,7 @@ if triton is not None:
     def _gemv_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
                      T, N, k_pad, row_words, high_row_units, gpr, x_block_count, stride_out, bias,
                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, PREFETCH: tl.constexpr,
-                     ASM: tl.constexpr):
+                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, ASM: tl.constexpr):
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         # program_id(0) = row tile · token tiles + token tile: the programs of one row tile run side by side, so
@@ -260,13 +259,9 @@ if triton is not None:
         words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, 0, row_words, high_row_units, gpr,
                                              BITS, GROUP, BLOCK_K)
         for k0 in tl.range(0, k_pad, BLOCK_K):
-            if PREFETCH:  # the next tile's loads go out before this tile's arithmetic (the last one reloads itself)
-                next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
-                                          row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
-            else:
-                words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words,
-                                                     high_row_units, gpr, BITS, GROUP, BLOCK_K)
-                next_tile = (words, high, w_scale)
+            # the next tile's loads go out before this tile's arithmetic (the last tile reloads itself)
+            next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
+                                      row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
             record = x_record + (k0 // 32) * 12
             dots = _dp4a(even[None], tl.load(record), 0, BITS == 8, ASM)
@@ -375,16 +370,16 @@ def _block_k(k_pad: int) -> int:
 
 
 def gemv_block_k(k_pad: int) -> int:
-    """The integer GEMV's K tile: the widest of 512, 256, 128, 64 lanes dividing the padded K (512: 16 tokens fit
-    in registers without spilling, scripts/compile_kernels.py --resources). It depends on the matrix only, never
-    on the token count, so that every token's result is the same bits at any T."""
+    """The integer GEMV's K tile: the widest of 512, 256, 128, 64 lanes dividing the padded K (512 measured best on
+    the H200, docs/performance.md). It depends on the matrix only, never on the token count, so that every token's
+    result is the same bits at any T."""
     return next(b for b in (512, 256, 128, 64) if k_pad % b == 0)
 
 
 def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, shape: tuple[int, int], fmt: str,
                       block_n: int | None = None, block_k: int | None = None, out_dtype: torch.dtype | None = None,
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
-                      num_warps: int | None = None, prefetch: bool = True) -> torch.Tensor:
+                      num_warps: int | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the
@@ -393,18 +388,19 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         raise RuntimeError("the Triton GEMV needs the triton package")
     acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     codec, base, high, scales, planes = _planes(data, shape, fmt)
-    tokens = acts.tokens
+    tokens = acts.shape[0]
     if experts is None and not 1 <= tokens <= MAX_GEMV_TOKENS:
         raise ValueError(f"the GEMV takes 1..{MAX_GEMV_TOKENS} tokens, not {tokens}")
     n, k = shape if experts is None else (expert_rows, shape[1])
     if acts.source.shape[1] != k:
         raise ValueError(f"x has {acts.source.shape[1]} features, the matrix {k}")
-    k_pad = codec.groups_per_row(k) * codec.group
+    gpr = codec.groups_per_row(k)
+    k_pad = gpr * codec.group
     if acts.blocks.shape[1] * 32 < k_pad:
         raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix {k_pad}")
     slots = tokens if experts is None else experts.numel()
     out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=data.device)
-    # tokens in tiles of up to MAX_TOKEN_TILE per program: x's records for more would not fit in registers
+    # tokens in tiles of up to MAX_TOKEN_TILE per program, the tiles of one row tile side by side
     block_t = 1 if experts is not None else min(MAX_TOKEN_TILE, triton.next_power_of_2(tokens))
     token_tiles = 1 if experts is not None else triton.cdiv(tokens, block_t)
     block_k = block_k or gemv_block_k(k_pad)
@@ -416,9 +412,9 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     _gemv_kernel[grid](
         acts.blocks, base, high, scales, out, experts if experts is not None else base,
         tokens if experts is None else 1, n, k_pad,
-        planes[0].row_bytes // 4, _high_row_units(codec, planes), codec.groups_per_row(k), acts.blocks.shape[1],
+        planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, acts.blocks.shape[1],
         out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
-        GATHER=experts is not None, X_PER_SLOT=x_per_slot, PREFETCH=prefetch, ASM=ASM, num_warps=num_warps or 2)
+        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM, num_warps=num_warps or 2)
     return out
 
 

@@ -43,21 +43,20 @@ for name, n, k, fmt, gathered in SHAPES:
     for tokens in ((1,) if gathered else (1, 8)):
         acts = quantize_activations(torch.randn(1 if gathered else tokens, k, device="cuda", dtype=torch.bfloat16))
         for block_n, warps in configs[:4] if quick else configs:
-            for prefetch in (True, False) if (block_n, warps) == (4, 2) else (True,):
-                rotation = itertools.cycle(copies)
-                kwargs = dict(block_n=block_n, out_dtype=torch.bfloat16, experts=experts, expert_rows=n,
-                              x_per_slot=gathered or 1, num_warps=warps, prefetch=prefetch)
+            rotation = itertools.cycle(copies)
+            kwargs = dict(block_n=block_n, out_dtype=torch.bfloat16, experts=experts, expert_rows=n,
+                          x_per_slot=gathered or 1, num_warps=warps)
 
-                def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, kwargs=kwargs):
-                    return quant_linear_gemv(acts, next(rotation), shape, fmt, **kwargs)
+            def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, kwargs=kwargs):
+                return quant_linear_gemv(acts, next(rotation), shape, fmt, **kwargs)
 
-                us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
-                fraction = read / (us / 1e6) / bandwidth
-                key = (name, tokens)
-                if key not in best or fraction > best[key][0]:
-                    best[key] = (fraction, us, block_n, block_k, warps, prefetch)
-                print(f"{name:28s} T={tokens:2d} BN={block_n:3d} BK={block_k:4d} warps={warps} prefetch={prefetch:d}: "
-                      f"{us:8.1f} us {fraction:5.0%} of the limit", flush=True)
+            us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
+            fraction = read / (us / 1e6) / bandwidth
+            key = (name, tokens)
+            if key not in best or fraction > best[key][0]:
+                best[key] = (fraction, us, block_n, block_k, warps)
+            print(f"{name:28s} T={tokens:2d} BN={block_n:3d} BK={block_k:4d} warps={warps}: {us:8.1f} us "
+                  f"{fraction:5.0%} of the limit", flush=True)
     if not gathered:
         ms = triton.testing.do_bench(lambda data=data, n=n, k=k, fmt=fmt: dequantize(data, (n, k), fmt))
         print(f"{name:28s} dequantize: {ms * 1e3:8.1f} us ({(read + n * k * 2) / (ms / 1e3) / bandwidth:.0%} of "
@@ -69,6 +68,5 @@ for tokens in (1, 16):
                                            return_mode="median") * 1e3
     print(f"quantize_activations T={tokens} K=17408: {us:.1f} us")
 print("best per shape:")
-for (name, tokens), (fraction, us, block_n, block_k, warps, prefetch) in best.items():
-    print(f"  {name:28s} T={tokens:2d}: {us:8.1f} us {fraction:5.0%}  BN={block_n} BK={block_k} warps={warps} "
-          f"prefetch={prefetch:d}")
+for (name, tokens), (fraction, us, block_n, block_k, warps) in best.items():
+    print(f"  {name:28s} T={tokens:2d}: {us:8.1f} us {fraction:5.0%}  BN={block_n} BK={block_k} warps={warps}")
