@@ -5,8 +5,9 @@ compiler rejects (unsigned/negative shifts, statements after a return in a const
 an older architecture). Prints one line per kernel and target; exits 1 when any fails.
 
 Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources]   (TRITON_INTERPRET must be unset)
-`--resources` adds each kernel's registers, spill stack and shared memory per thread block (cuobjdump), the
-first things to look at when a kernel is slower than its memory traffic predicts.
+`--resources` adds each kernel's registers, spill stack and shared memory per thread block (cuobjdump) and the
+length of its longest loop (nvdisasm), the first things to look at when a kernel is slower than its memory traffic
+predicts.
 """
 
 from __future__ import annotations
@@ -152,6 +153,27 @@ def _resources(cubin: bytes) -> str:
     return f"  [registers {found.get('REG', '?')}, stack {found.get('STACK', '?')}, shared {found.get('SHARED', '?')}]"
 
 
+def _longest_loop(cubin: bytes) -> str:
+    """Instructions in the kernel's longest loop body (from the first instruction after a label to a backward branch
+    to it), from `nvdisasm` (bundled with triton): divided by the weights a thread handles per iteration, the
+    instructions per weight that bound a GEMV."""
+    import triton.backends.nvidia as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        lines = subprocess.run([tool, "-c", handle.name], capture_output=True, text=True).stdout.splitlines()
+    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"\s*\.L_x_\d+:", line)}
+    longest = 0
+    for i, line in enumerate(lines):
+        branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if branch and labels.get(branch.group(1), i) < i:
+            body = lines[labels[branch.group(1)] : i + 1]
+            longest = max(longest, sum(1 for b in body if re.match(r"\s*/\*[0-9a-f]{4}\*/", b)))
+    return f", loop {longest} instructions"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated")
@@ -167,7 +189,8 @@ def main() -> int:
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                           options={"num_warps": options.get("num_warps", 4)})
-                extra = _resources(compiled.asm["cubin"]) if args.resources else ""
+                cubin = compiled.asm["cubin"]
+                extra = _resources(cubin) + _longest_loop(cubin) if args.resources else ""
                 print(f"sm_{capability} ok      {name}({label}){extra}")
             except Exception as exc:  # report every failure, then exit 1
                 failed += 1
