@@ -30,19 +30,30 @@ def test_prefix_cache_spills_to_pinned_host_memory_and_restores_exactly():
 
 
 def test_concurrent_requests_on_cuda_equal_single_runs():
+    """8 concurrent requests (decode steps batched, prefill chunks interleaved) give each the tokens of its run
+    alone through the same engine: decode steps are batch-invariant bit for bit. (The reference for a request is
+    its own run with the same prefill chunks: chunking changes cuBLAS's shapes, so the prefill's rounding, and
+    an int8 code on a rounding boundary can then flip a near-tied greedy token.)"""
     llm = LLM(device="cuda", dtype=torch.float32)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = [llm.tokenizer.encode(f"def handler_{i}(event):\n    ") for i in range(8)]
-    expected = [llm.generate(ids, params).token_ids for ids in prompts]
-    engine = Engine(llm, max_concurrency=8, prefill_chunk=4).start()
 
-    async def collect(ids):
-        async for event in engine.generate(Request(ids, params, thinking=False)):
-            if isinstance(event, Finished):
-                return event.completion.token_ids
+    def collect(engine):
+        async def run(ids):
+            async for event in engine.generate(Request(ids, params, thinking=False)):
+                if isinstance(event, Finished):
+                    return event.completion.token_ids
 
+        return run
+
+    alone = Engine(llm, max_concurrency=1, prefill_chunk=4).start()
     try:
-        results = _gather(collect, prompts)
+        expected = [_gather(collect(alone), [ids])[0] for ids in prompts]
+    finally:
+        alone.close()
+    engine = Engine(llm, max_concurrency=8, prefill_chunk=4).start()
+    try:
+        results = _gather(collect(engine), prompts)
     finally:
         engine.close()
     assert results == expected

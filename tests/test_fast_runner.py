@@ -112,6 +112,24 @@ def test_moe_prefill_and_decode_routes_equal_the_reference():
     assert _relative(fast.forward(token, fast_state), expected) < DECODE_TOLERANCE
 
 
+@pytest.mark.parametrize("path", [DENSE, MOE])
+def test_exact_activations_give_decode_steps_the_references_numerics(path):
+    """`int8_activations=False`: batched decode steps (dense MLP or gathered experts, graphs on CUDA) equal the plain
+    reference to fp32 rounding — the checking mode the real-shape GPU tests use."""
+    reference, fast = _models(path, max_sequences=2, int8_activations=False)
+    prompts = [torch.tensor(PROMPT), torch.tensor([9, 8, 7])]
+    ref_states = [reference.new_state(64) for _ in prompts]
+    fast_states = [fast.new_state(64) for _ in prompts]
+    expected = [reference.forward(p, s) for p, s in zip(prompts, ref_states, strict=True)]
+    got = [fast.forward(p, s) for p, s in zip(prompts, fast_states, strict=True)]
+    for step in range(3):
+        for row, (g, e) in enumerate(zip(got, expected, strict=True)):
+            assert _relative(g, e) < FP32_TOLERANCE, f"step {step}, sequence {row}"
+        tokens = torch.tensor([int(e.argmax()) for e in expected])
+        expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
+        got = fast.decode_batch(fast_states, tokens)
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_kv_stays_close_to_the_reference(kv_dtype):
     reference, fast = _models(DENSE, max_sequences=1, kv_dtype=kv_dtype)

@@ -74,7 +74,8 @@ class FastQwen35:
     """Qwen3.5 text model on CUDA (see the module docstring). Build with `from_artifact`."""
 
     def __init__(self, config: TextConfig, linears: dict[str, PackedLinear], vectors: dict[str, torch.Tensor],
-                 cache: SequenceCache, plan: MemoryPlan, *, dtype: torch.dtype, prefill_chunk: int, graphs: bool):
+                 cache: SequenceCache, plan: MemoryPlan, *, dtype: torch.dtype, prefill_chunk: int, graphs: bool,
+                 int8_activations: bool = True):
         self.config = config
         self.linears = linears
         self.vectors = vectors
@@ -83,6 +84,7 @@ class FastQwen35:
         self.device = cache.device
         self.dtype = dtype
         self.prefill_chunk = prefill_chunk
+        self.int8_activations = int8_activations
         self.head = linears["output_head"] if "output_head" in linears else linears["token_embedding"]
         self.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta).to(self.device)
         self.max_batch = cache.slots
@@ -112,11 +114,14 @@ class FastQwen35:
     def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cuda", *, max_sequences: int = 8,
                       max_context: int = 32768, kv_capacity: int | None = None, kv_dtype: str = "bf16",
                       prefill_chunk: int = 4096, dtype: torch.dtype = torch.bfloat16, graphs: bool = True,
-                      max_verify_tokens: int = 0, progress: bool = False) -> FastQwen35:
+                      max_verify_tokens: int = 0, int8_activations: bool = True,
+                      progress: bool = False) -> FastQwen35:
         """Plan the memory (refusing what does not fit before loading anything), then load the weights and
         allocate the pools. `dtype` is the activation dtype (bf16; fp32 serves the CPU tests under the Triton
         interpreter) and the dtype of "bf16" KV pages. `max_verify_tokens` > 0 reserves GDN snapshot slots for
-        `verify` steps of up to that many draft tokens per sequence."""
+        `verify` steps of up to that many draft tokens per sequence. `int8_activations=False` gives decode and
+        verify steps the prefill's exact numerics (every product through the decoded weights: slow, and the head's
+        decoded matrix needs its size in scratch) — for checking the fast path against the reference."""
         config = TextConfig.from_dict(artifact.components["text"]["config"])
         device = torch.device(device)
         objects = [o for o in artifact.objects if o.kind == "tensor" and o.component == "text"]
@@ -136,7 +141,8 @@ class FastQwen35:
         cache = SequenceCache(config, device, slots=max_sequences, kv_tokens=plan.kv_tokens,
                               max_context=max_context, kv_dtype=kv_dtype, float_dtype=dtype,
                               max_verify_tokens=max_verify_tokens)
-        return cls(config, linears, vectors, cache, plan, dtype=dtype, prefill_chunk=prefill_chunk, graphs=graphs)
+        return cls(config, linears, vectors, cache, plan, dtype=dtype, prefill_chunk=prefill_chunk, graphs=graphs,
+                   int8_activations=int8_activations)
 
     # -- sequences -------------------------------------------------------------------------------------------
 
@@ -240,11 +246,11 @@ class FastQwen35:
         tables = self.cache.block_tables.index_select(0, slots).repeat_interleave(tokens, dim=0)
         x = self.linears["token_embedding"].rows(ids.reshape(-1).to(device=device, dtype=torch.int32))
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
-                         lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), integer=True)
+                         lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), self.int8_activations)
         for state in states:
             state.length += tokens
             state.pending = tokens
-        return self._linear(self.head, h, integer=True, out_dtype=torch.float32).view(batch, tokens, -1)
+        return self._linear(self.head, h, self.int8_activations, torch.float32).view(batch, tokens, -1)
 
     def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
         """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step: its length drops to
@@ -285,8 +291,8 @@ class FastQwen35:
         tables = self.cache.block_tables.index_select(0, slots)
         x = self.linears["token_embedding"].rows(ids)
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
-                         lambda h, i: self._gdn_decode(h, i, slots), integer=True)
-        return self._linear(self.head, h, integer=True, out_dtype=torch.float32)
+                         lambda h, i: self._gdn_decode(h, i, slots), self.int8_activations)
+        return self._linear(self.head, h, self.int8_activations, torch.float32)
 
     def _linears(self, readers: list[PackedLinear], x: torch.Tensor, integer: bool,
                  out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
@@ -343,18 +349,19 @@ class FastQwen35:
     def _attention_decode(self, h: torch.Tensor, layer: int, positions: torch.Tensor, lengths: torch.Tensor,
                           tables: torch.Tensor) -> torch.Tensor:
         c, cache = self.config, self.cache
-        q, gate, pools = self._attention_inputs(h, layer, positions, tables, integer=True)
+        q, gate, pools = self._attention_inputs(h, layer, positions, tables, self.int8_activations)
         o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
                                    max_length=cache.max_pages * cache.page)
         return self._linear(self.linears[f"layers/{layer}/attention/output"], sigmoid_mul(o.view(h.shape[0], -1), gate),
-                            integer=True)
+                            self.int8_activations)
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
                     snapshots: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         prefix = f"layers/{layer}/gdn/"
         value_rows = c.v_heads * c.v_dim
-        query_key, value_z, a_b = self._linears([self.linears[prefix + n] for n in GDN_PROJECTIONS], h, integer=True)
+        query_key, value_z, a_b = self._linears([self.linears[prefix + n] for n in GDN_PROJECTIONS], h,
+                                                self.int8_activations)
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
                               self.vectors[prefix + "convolution"], self.cache.conv[index], slots, tokens=tokens,
@@ -363,7 +370,7 @@ class FastQwen35:
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
                                tokens=tokens, snapshot_slots=snapshots)
-        return self._linear(self.linears[prefix + "output"], o, integer=True)
+        return self._linear(self.linears[prefix + "output"], o, self.int8_activations)
 
     def _mlp(self, h: torch.Tensor, prefix: str, integer: bool) -> torch.Tensor:
         """SwiGLU MLP or sparse MoE. With `integer` (decode, verify) every (token, expert) pair goes through the
@@ -427,7 +434,7 @@ class FastQwen35:
                          lambda h, i: self._gdn_prefill(h, i, state), integer=False)
         state.length = start + tokens
         # the head reads one row (or few): the integer GEMV, as in decode steps, not a dequantized vocabulary matrix
-        logits = self._linear(self.head, h if all_logits else h[-1:], integer=True, out_dtype=torch.float32)
+        logits = self._linear(self.head, h if all_logits else h[-1:], self.int8_activations, torch.float32)
         return logits if all_logits else logits[0]
 
     def _attention_prefill(self, h: torch.Tensor, layer: int, state: SlotState,

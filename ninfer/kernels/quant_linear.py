@@ -386,14 +386,15 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     result is `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
-    acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     codec, base, high, scales, planes = _planes(data, shape, fmt)
-    tokens = acts.shape[0]
+    source = x.source if isinstance(x, Int8Activations) else x
+    tokens = source.shape[0]
     if experts is None and not 1 <= tokens <= MAX_GEMV_TOKENS:
         raise ValueError(f"the GEMV takes 1..{MAX_GEMV_TOKENS} tokens, not {tokens}")
     n, k = shape if experts is None else (expert_rows, shape[1])
-    if acts.source.shape[1] != k:
-        raise ValueError(f"x has {acts.source.shape[1]} features, the matrix {k}")
+    if source.shape[1] != k:
+        raise ValueError(f"x has {source.shape[1]} features, the matrix {k}")
+    acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     gpr = codec.groups_per_row(k)
     k_pad = gpr * codec.group
     if acts.blocks.shape[1] * 32 < k_pad:
