@@ -50,10 +50,11 @@ def test_silu_mul_quantizes_its_output_as_the_quantizer_does(width):
 
 
 @pytest.mark.parametrize("width", [256, 300, 5120])
-def test_add_rms_norm_equals_add_then_rms_norm(width):
+@pytest.mark.parametrize("rows", [3, 70])  # a decode step's rows spread over several programs each; prefill's not
+def test_add_rms_norm_equals_add_then_rms_norm(width, rows):
     generator = torch.Generator().manual_seed(width)
-    x = (torch.randn(3, width, generator=generator) * 4).to(DEVICE, DTYPE)
-    h = torch.randn(3, 2 * width, generator=generator).to(DEVICE, DTYPE)[:, :width]  # a strided view
+    x = (torch.randn(rows, width, generator=generator) * 4).to(DEVICE, DTYPE)
+    h = torch.randn(rows, 2 * width, generator=generator).to(DEVICE, DTYPE)[:, :width]  # a strided view
     weight = (torch.randn(width, generator=generator) * 0.1).to(DEVICE, DTYPE)
     total, normed = add_rms_norm(x, h, weight, 1e-6)
     assert torch.equal(total, x + h)

@@ -86,16 +86,23 @@ class PackedLinear:
         tensor = self.data if self.packed else self.weight
         return tensor.numel() * tensor.element_size()
 
-    def __call__(self, x: torch.Tensor | Int8Activations, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x `[T, K]` (or its `shared_input`) → `[T, N]` in `out_dtype` (default x's dtype)."""
+    def __call__(self, x: torch.Tensor | Int8Activations, out_dtype: torch.dtype | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[T, K]` (or its `shared_input`) → `[T, N]` in `out_dtype` (default x's dtype). With `out` (a `[T, N]`
+        view with unit column stride: columns of a buffer that several products fill) the result goes there —
+        written by the integer GEMV itself, copied from the other routes."""
         source = _source(x)
-        out_dtype = out_dtype or source.dtype
+        out_dtype = out.dtype if out is not None else out_dtype or source.dtype
+        if isinstance(x, Int8Activations) and self.groupwise:
+            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out)
+        result = self._product(source, out_dtype)
+        return result if out is None else out.copy_(result)
+
+    def _product(self, source: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if not self.packed:
             if source.shape[0] <= MAX_GEMV_TOKENS:  # a result per token whatever T (cuBLAS picks kernels by T)
                 return dense_linear_gemv(source.to(self.weight.dtype), self.weight, out_dtype=out_dtype)
             return F.linear(source.to(self.weight.dtype), self.weight).to(out_dtype)
-        if isinstance(x, Int8Activations) and self.groupwise:
-            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype)
         if source.shape[0] <= MAX_GEMV_TOKENS and not self.groupwise:
             return fp8_linear_gemv(source, self.data, self.shape, out_dtype=out_dtype)
         weight = self._decoded(0, self.shape[0])

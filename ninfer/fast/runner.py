@@ -360,13 +360,18 @@ class FastQwen35:
         c = self.config
         prefix = f"layers/{layer}/gdn/"
         value_rows = c.v_heads * c.v_dim
-        query_key, value_z, a_b = self._linears([self.linears[prefix + n] for n in GDN_PROJECTIONS], h,
-                                                self.int8_activations)
+        query_key, value_z, a_b = (self.linears[prefix + n] for n in GDN_PROJECTIONS)
+        key_columns = query_key.shape[0]
+        # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view (no concatenation)
+        projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
+        source = shared_input(h, [query_key, value_z, a_b]) if self.int8_activations else h
+        query_key(source, out=projected[:, :key_columns])
+        value_z(source, out=projected[:, key_columns:])
+        a_b = a_b(source)
         index = self.cache.gdn_index[layer]
-        mixed = conv1d_update(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
-                              self.vectors[prefix + "convolution"], self.cache.conv[index], slots, tokens=tokens,
-                              snapshot_slots=snapshots)
-        o = gated_delta_decode(mixed, value_z[:, value_rows:], a_b, self.vectors[prefix + "a_log"],
+        mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
+                              self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)
+        o = gated_delta_decode(mixed, projected[:, key_columns + value_rows :], a_b, self.vectors[prefix + "a_log"],
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
                                tokens=tokens, snapshot_slots=snapshots)

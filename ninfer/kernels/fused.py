@@ -40,21 +40,31 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_out,
-                             eps, record_count, HAS_H: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
+                             eps, record_count, HAS_H: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
+                             SLICE: tl.constexpr):
+        # every program of a row reduces the whole row (the same bits in each), then writes its SLICE of lanes
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         ok = d < D
         x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
         if HAS_H:
             x = (x + tl.load(h_ptr + row * stride_h + d, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty)
-            tl.store(sum_ptr + row * D + d, x, mask=ok)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+        if SLICE != BLOCK:  # this program's lanes, loaded again (from L1/L2) and added again (the same bits)
+            d = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+            ok = d < D
+            x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+            if HAS_H:
+                x = (x + tl.load(h_ptr + row * stride_h + d, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty)
+            xf = x.to(tl.float32)
+        if HAS_H:
+            tl.store(sum_ptr + row * D + d, x, mask=ok)
         y = (xf * rstd * (1.0 + tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32))).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_out + d, y, mask=ok)
         if QUANTIZE:  # the rounded output's int8 records, as `quantize_activations` would make them
-            blocks = tl.arange(0, BLOCK // 32)
-            store_records(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]), records_ptr + row * record_count * 12,
+            blocks = tl.program_id(1) * (SLICE // 32) + tl.arange(0, SLICE // 32)
+            store_records(tl.reshape(y.to(tl.float32), [SLICE // 32, 32]), records_ptr + row * record_count * 12,
                           blocks, record_count)
 
     @triton.jit
@@ -122,7 +132,8 @@ if triton is not None:
         tl.store(id_ptr + row * TOP_K + k, ids, mask=k < TOP_K)
 
 
-ELEMENTWISE_BLOCK = 1024
+ELEMENTWISE_BLOCK = 1024  # lanes per program of the elementwise kernels (a multiple of 128: whole int8 records)
+NORM_SPLIT_ROWS = 64  # below this many rows a norm spreads each row over several programs
 
 
 def _check(name: str, *tensors: Tensor) -> None:
@@ -144,10 +155,16 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     records = empty_records(rows, width, x.device) if quantize else out
     block = max(triton.next_power_of_2(width), padded_lanes(width) if quantize else 1)
-    _add_rms_norm_kernel[(rows,)](x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
-                                  h.stride(0) if h is not None else 0, out.stride(0), eps,
-                                  records.shape[1] if quantize else 0, HAS_H=h is not None, QUANTIZE=quantize,
-                                  BLOCK=block, num_warps=max(1, min(16, block // 256)))
+    # few rows (a decode step): each row over several programs of ELEMENTWISE_BLOCK lanes, each reducing the whole
+    # row itself (one launch, no second pass); many rows (prefill): a program per row
+    split = rows < NORM_SPLIT_ROWS and block > ELEMENTWISE_BLOCK
+    lanes = padded_lanes(width) if quantize else width
+    slice_ = ELEMENTWISE_BLOCK if split else block
+    _add_rms_norm_kernel[(rows, triton.cdiv(lanes, slice_))](
+        x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
+        h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
+        HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
+        num_warps=4 if split else max(1, min(16, block // 256)))
     return total, Int8Activations(out, records) if quantize else out
 
 

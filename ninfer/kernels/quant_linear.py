@@ -379,11 +379,12 @@ def gemv_block_k(k_pad: int) -> int:
 def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, shape: tuple[int, int], fmt: str,
                       block_n: int | None = None, block_k: int | None = None, out_dtype: torch.dtype | None = None,
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
-    `out_dtype` (default fp32). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the
-    result is `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ."""
+    `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
+    a wider buffer). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the result is
+    `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     codec, base, high, scales, planes = _planes(data, shape, fmt)
@@ -400,12 +401,18 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     if acts.blocks.shape[1] * 32 < k_pad:
         raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix {k_pad}")
     slots = tokens if experts is None else experts.numel()
-    out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=data.device)
+    if out is None:
+        out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=data.device)
+    elif out.shape != (slots, n) or out.stride(1) != 1 or out.device != data.device:
+        raise ValueError(f"out must be a [{slots}, {n}] view with unit column stride on {data.device}, got "
+                         f"{list(out.shape)} strides {out.stride()} on {out.device}")
     # tokens in tiles of up to MAX_TOKEN_TILE per program, the tiles of one row tile side by side
     block_t = 1 if experts is not None else min(MAX_TOKEN_TILE, triton.next_power_of_2(tokens))
     token_tiles = 1 if experts is not None else triton.cdiv(tokens, block_t)
     block_k = block_k or gemv_block_k(k_pad)
-    block_n = block_n or (256 if INTERPRETED else 4)  # the H200 sweep's best (docs/performance.md)
+    # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
+    default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
+    block_n = block_n or default_n
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
     grid = (triton.cdiv(n, block_n) * token_tiles, slots if experts is not None else 1)
@@ -415,7 +422,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         tokens if experts is None else 1, n, k_pad,
         planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, acts.blocks.shape[1],
         out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
-        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM, num_warps=num_warps or 2)
+        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM, num_warps=num_warps or default_warps)
     return out
 
 
