@@ -105,6 +105,7 @@ def _record_all() -> None:
     fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16))
     fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16), quantize=True)
     fused.sigmoid_mul(h, h)
+    fused.sigmoid_mul(h, h, quantize=True)
     fused.route_top_k(torch.randn(2, 257, dtype=torch.bfloat16), 256, 8)
     fused.moe_combine(torch.randn(16, 256, dtype=torch.bfloat16), torch.rand(2, 8, dtype=torch.bfloat16), h,
                       torch.randn(2, 1, dtype=torch.bfloat16))
@@ -119,7 +120,7 @@ def _record_all() -> None:
                                   torch.randn(4, 2 * v_heads, dtype=torch.bfloat16), torch.randn(v_heads),
                                   torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
                                   torch.zeros(6, v_heads, k_dim, v_dim), slots, k_heads, k_dim, v_heads, v_dim, 1e-6,
-                                  tokens=2, snapshot_slots=snapshots)
+                                  tokens=2, snapshot_slots=snapshots, quantize=True)
     del mixed
     heads, kv_heads, head_dim = 24, 4, 256
     query_key = torch.randn(2, (heads + kv_heads) * head_dim, dtype=torch.bfloat16)

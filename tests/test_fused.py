@@ -49,6 +49,16 @@ def test_silu_mul_quantizes_its_output_as_the_quantizer_does(width):
     assert torch.equal(acts.blocks, quantize_activations(plain).blocks)
 
 
+@pytest.mark.parametrize("width", [64, 1500, 6144])
+def test_sigmoid_mul_quantizes_its_output_as_the_quantizer_does(width):
+    generator = torch.Generator().manual_seed(width)
+    x, gate = ((torch.randn(3, width, generator=generator) * 3).to(DEVICE, DTYPE) for _ in range(2))
+    plain = sigmoid_mul(x, gate)
+    acts = sigmoid_mul(x, gate, quantize=True)
+    assert torch.equal(acts.source, plain)
+    assert torch.equal(acts.blocks, quantize_activations(plain).blocks)
+
+
 @pytest.mark.parametrize("width", [256, 300, 5120])
 @pytest.mark.parametrize("rows", [3, 70])  # a decode step's rows spread over several programs each; prefill's not
 def test_add_rms_norm_equals_add_then_rms_norm(width, rows):

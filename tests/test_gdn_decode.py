@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_recurrent, l2_normalize
 from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
@@ -134,6 +135,31 @@ def test_decode_steps_equal_the_reference(slots, slot_dtype):
 def test_decode_handles_one_key_head_per_value_head():
     decode_and_compare(Dims(k_heads=3, k_dim=8, v_heads=3, v_dim=8, conv_kernel=2), [1, 3], pool=4, steps=2,
                        dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE)
+
+
+def test_decode_splits_a_heads_state_into_column_tiles():
+    # v_dim 64: two 32-column programs per head, whose outputs meet again in the gated norm
+    decode_and_compare(Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=64), [2, 0], pool=4, steps=2,
+                       dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE)
+
+
+# records made by the norm kernel, with a zero record padding 96 lanes to 128, and by the quantizer after it
+@pytest.mark.parametrize(("v_heads", "v_dim"), [(4, 64), (3, 32), (4, 24)])
+def test_decode_output_comes_with_the_quantizers_records(v_heads, v_dim):
+    d, B, device = Dims(k_heads=1, k_dim=16, v_heads=v_heads, v_dim=v_dim), 2, _device()
+    generator = torch.Generator().manual_seed(v_dim)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device)
+
+    mixed, z, a_b = randn(B, d.channels), randn(B, d.v_heads * v_dim), randn(B, 2 * d.v_heads)
+    vectors = (randn(d.v_heads), randn(d.v_heads), randn(v_dim))
+    state, slots = randn(3, d.v_heads, d.k_dim, v_dim), torch.tensor([2, 0], device=device)
+    args = (d.k_heads, d.k_dim, d.v_heads, v_dim, EPS)
+    plain = gated_delta_decode(mixed, z, a_b, *vectors, state.clone(), slots, *args)
+    acts = gated_delta_decode(mixed, z, a_b, *vectors, state, slots, *args, quantize=True)
+    assert torch.equal(acts.source, plain)
+    assert torch.equal(acts.blocks, quantize_activations(plain).blocks)
 
 
 def test_conv_window_shifts_in_the_new_inputs_exactly():

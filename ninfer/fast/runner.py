@@ -312,6 +312,11 @@ class FastQwen35:
         the integer GEMV (at most MAX_GEMV_TOKENS rows)."""
         return integer and x.shape[0] <= MAX_GEMV_TOKENS
 
+    def _quantizes_for(self, reader: PackedLinear, x: torch.Tensor) -> bool:
+        """Whether a decode or verify step's kernel making x, the input of `reader` alone, should also make x's int8
+        records: when `reader` takes the integer GEMV."""
+        return reader.groupwise and self._quantizes(x, self.int8_activations)
+
     def _layers(self, x: torch.Tensor, attention, gdn, integer: bool) -> torch.Tensor:
         """The decoder layers and the final norm over embedded tokens x `[T, H]`; the residual adds are fused into
         the next norm. `attention(h, layer)` / `gdn(h, layer)` are the mixers; `integer`: decode-step numerics
@@ -352,8 +357,9 @@ class FastQwen35:
         q, gate, pools = self._attention_inputs(h, layer, positions, tables, self.int8_activations)
         o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
                                    max_length=cache.max_pages * cache.page)
-        return self._linear(self.linears[f"layers/{layer}/attention/output"], sigmoid_mul(o.view(h.shape[0], -1), gate),
-                            self.int8_activations)
+        output = self.linears[f"layers/{layer}/attention/output"]
+        gated = sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=self._quantizes_for(output, gate))
+        return self._linear(output, gated, self.int8_activations)
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
                     snapshots: torch.Tensor | None = None) -> torch.Tensor:
@@ -361,6 +367,7 @@ class FastQwen35:
         prefix = f"layers/{layer}/gdn/"
         value_rows = c.v_heads * c.v_dim
         query_key, value_z, a_b = (self.linears[prefix + n] for n in GDN_PROJECTIONS)
+        output = self.linears[prefix + "output"]
         key_columns = query_key.shape[0]
         # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view (no concatenation)
         projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
@@ -374,8 +381,8 @@ class FastQwen35:
         o = gated_delta_decode(mixed, projected[:, key_columns + value_rows :], a_b, self.vectors[prefix + "a_log"],
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
-                               tokens=tokens, snapshot_slots=snapshots)
-        return self._linear(self.linears[prefix + "output"], o, self.int8_activations)
+                               tokens=tokens, snapshot_slots=snapshots, quantize=self._quantizes_for(output, mixed))
+        return self._linear(output, o, self.int8_activations)
 
     def _mlp(self, h: torch.Tensor, prefix: str, integer: bool) -> torch.Tensor:
         """SwiGLU MLP or sparse MoE. With `integer` (decode, verify) every (token, expert) pair goes through the

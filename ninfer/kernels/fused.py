@@ -8,7 +8,8 @@ several: a decode step of a 64-layer model runs a few hundred of them, so launch
   * `silu_mul(gate_up)`: silu(gate) · up of a `[B, 2I]` gate/up projection (gate first), in its dtype — the SwiGLU
     activation as `swiglu_mlp` computes it (silu rounded to the dtype, then the product rounded). With `quantize`,
     also the int8 records of the result (as `add_rms_norm`'s).
-  * `sigmoid_mul(x, gate)`: x · sigmoid(gate) in x's dtype (the attention output gate).
+  * `sigmoid_mul(x, gate)`: x · sigmoid(gate) in x's dtype (the attention output gate); with `quantize`, also the
+    int8 records of the result.
   * `route_top_k(logits, experts, top_k)`: the MoE routing of `ninfer.kernels.moe.route_top_k` in one launch —
     the top-k of the first `experts` logits (iterated argmax, ties to the lower id, sorted by descending logit)
     and their softmax (= softmax over all experts, top-k, renormalised); weights in the logits' dtype, ids int32.
@@ -85,14 +86,20 @@ if triton is not None:
                           blocks, record_count)
 
     @triton.jit
-    def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, D, stride_x, stride_gate, BLOCK: tl.constexpr):
+    def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, records_ptr, D, stride_x, stride_gate, record_count,
+                            QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < D
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
         g = tl.load(gate_ptr + row * stride_gate + cols, mask=ok, other=0.0).to(tl.float32)
         sig = (1.0 / (1.0 + tl.exp(-g))).to(x.dtype)
-        tl.store(out_ptr + row * D + cols, (x * sig).to(x.dtype), mask=ok)
+        y = (x * sig).to(x.dtype)
+        tl.store(out_ptr + row * D + cols, y, mask=ok)
+        if QUANTIZE:  # this tile's whole 32-lane blocks (BLOCK is a multiple of 128): their int8 records
+            blocks = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+            store_records(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]), records_ptr + row * record_count * 12,
+                          blocks, record_count)
 
 
     @triton.jit
@@ -182,15 +189,17 @@ def silu_mul(gate_up: Tensor, quantize: bool = False) -> Tensor | Int8Activation
     return Int8Activations(out, records) if quantize else out
 
 
-def sigmoid_mul(x: Tensor, gate: Tensor) -> Tensor:
-    """x · sigmoid(gate) → `[B, D]` in x's dtype."""
+def sigmoid_mul(x: Tensor, gate: Tensor, quantize: bool = False) -> Tensor | Int8Activations:
+    """x · sigmoid(gate) → `[B, D]` in x's dtype; with `quantize`, as `Int8Activations` (as `silu_mul`'s)."""
     _check("sigmoid_mul", x, gate)
     rows, width = x.shape
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-    _sigmoid_mul_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](x, gate, out, width, x.stride(0),
-                                                                     gate.stride(0), BLOCK=ELEMENTWISE_BLOCK,
-                                                                     num_warps=4)
-    return out
+    records = empty_records(rows, width, out.device) if quantize else out
+    lanes = padded_lanes(width) if quantize else width
+    _sigmoid_mul_kernel[(rows, triton.cdiv(lanes, ELEMENTWISE_BLOCK))](
+        x, gate, out, records, width, x.stride(0), gate.stride(0), records.shape[1] if quantize else 0,
+        QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
+    return Int8Activations(out, records) if quantize else out
 
 
 def moe_combine(routed: Tensor, weights: Tensor, shared: Tensor, shared_logit: Tensor) -> Tensor:
