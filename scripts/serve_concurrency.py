@@ -6,6 +6,8 @@ tok/s and time to first token for 1, 2, 4 and 8 clients, and TTFT with a cold vs
 
 Each client sends a distinct prompt, greedy, `ignore_eos`, `max_tokens` = --tokens. Decode tok/s = all
 generated tokens / wall time from the first request to the last answer (prefill included, as a user sees it).
+The fast runner is warmed up first (`FastQwen35.warm_up`, as `ninfer serve` does), then one unmeasured round per
+client count.
 """
 
 from __future__ import annotations
@@ -81,11 +83,14 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(args.model, device=args.device, max_sequences=8, kv_dtype=args.kv_dtype,
               prefill_chunk=SERVE_PREFILL_CHUNK)
+    if llm.fast:  # as `ninfer serve` does before it listens
+        print(f"warmed up in {llm.model.warm_up(8):.1f} s")
     engine = Engine(llm, max_concurrency=8, prefill_chunk=SERVE_PREFILL_CHUNK).start()
     model_id = "bench"
     server, url = start_server(create_app(engine, ServeConfig(model_id=model_id)))
     try:
-        asyncio.run(round_of(url, model_id, 1, 8, "Warm up."))
+        for clients in (1, 2, 4, 8):  # the sampling and output path's first calls, at every batch size
+            asyncio.run(round_of(url, model_id, clients, 8, "Warm up."))
         rows = [asyncio.run(round_of(url, model_id, n, args.tokens, f"Session {n}. Be brief.")) for n in (1, 2, 4, 8)]
         words = " ".join(f"word{i}" for i in range(args.prefix_tokens))  # ~2 tokens a word with small vocabularies
         system = llm.tokenizer.decode(llm.tokenizer.encode(words)[: args.prefix_tokens])

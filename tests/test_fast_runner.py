@@ -82,6 +82,22 @@ def test_snapshot_restore_continues_like_the_original(dense):
     assert torch.equal(got, expected)
 
 
+def test_warm_up_captures_every_bucket_and_leaves_the_pools_as_they_were(dense):
+    _, fast = dense
+    gc.collect()
+    before, during = fast.new_state(64), fast.new_state(64)
+    fast.forward(torch.tensor(PROMPT), before)
+    fast.forward(torch.tensor(PROMPT), during)
+    expected = fast.decode_batch([before], torch.tensor([7]))
+    free_slots, free_pages = len(fast.cache.free_slots), len(fast.cache.free_pages)
+    assert fast.warm_up() > 0
+    gc.collect()
+    assert (len(fast.cache.free_slots), len(fast.cache.free_pages)) == (free_slots, free_pages)
+    if fast.use_graphs:
+        assert sorted(fast.graphs) == [b for b in fast.buckets if b <= free_slots]
+    assert torch.equal(fast.decode_batch([during], torch.tensor([7])), expected)  # its pages and GDN slot untouched
+
+
 def test_slots_are_bounded_and_returned_when_a_state_is_dropped(dense):
     _, fast = dense
     gc.collect()

@@ -17,6 +17,7 @@ docs/fast-path.md describes the whole path.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ninfer.artifact.reader import Artifact
-from ninfer.devices import free_memory
+from ninfer.devices import free_memory, synchronize
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch, is_packed, shared_input
 from ninfer.kernels.conv1d import causal_conv1d
@@ -45,6 +46,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's matrices that read its input
+WARM_UP_LENGTHS = (16, 17, 18)  # prompt lengths of `warm_up`: every specialisation class of T and T · top_k
 MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the grouped MoE prefill
 
 
@@ -143,6 +145,24 @@ class FastQwen35:
                               max_verify_tokens=max_verify_tokens)
         return cls(config, linears, vectors, cache, plan, dtype=dtype, prefill_chunk=prefill_chunk, graphs=graphs,
                    int8_activations=int8_activations)
+
+    def warm_up(self, max_batch: int | None = None) -> float:
+        """Compile the kernels and capture the decode graphs that serving meets, before the first request; returns
+        the seconds it took. Triton compiles a kernel once per specialisation of its integer arguments (equal to 1,
+        divisible by 16, other), and flash-linear-attention autotunes on first use: prefills of 16, 17 and 18 tokens
+        meet every class of the token and (token, expert) pair counts, and one decode step per graph bucket up to
+        `max_batch` (default: every slot; at most the free slots) captures its graph. Without it the first requests
+        of a server wait seconds for compilation."""
+        started = time.perf_counter()
+        for length in WARM_UP_LENGTHS:
+            self.forward(torch.arange(1, length + 1, device=self.device), self.new_state(length))
+        limit = min(max_batch or self.max_batch, len(self.cache.free_slots))
+        for bucket in (b for b in self.buckets if b <= limit):
+            states = [self.new_state(2) for _ in range(bucket)]
+            self.decode_batch(states, torch.ones(bucket, dtype=torch.long, device=self.device))
+            del states
+        synchronize(self.device)
+        return time.perf_counter() - started
 
     # -- sequences -------------------------------------------------------------------------------------------
 

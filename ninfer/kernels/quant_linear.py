@@ -436,7 +436,7 @@ def group_pairs(expert_ids: torch.Tensor, experts: int, block: int) -> tuple[tor
     pairs = flat.numel()
     tiles = -(-pairs // block) + experts
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
+    counts = torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     tiles_per_expert = (counts + block - 1) // block
     tile_end = torch.cumsum(tiles_per_expert, 0)
     first_pair = torch.cumsum(counts, 0) - counts

@@ -83,6 +83,9 @@ def serve_command(args: argparse.Namespace) -> int:
                  llm.load_seconds)
         if llm.fast:
             log.info("memory plan: %s", llm.model.plan.describe())
+            log.info("warming up: compiling kernels, capturing decode graphs for up to %d sequences",
+                     args.max_concurrency)
+            log.info("warmed up in %.1f s", llm.model.warm_up(args.max_concurrency))
         engine.start()
         try:
             server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
