@@ -17,6 +17,7 @@ import asyncio
 import json
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -87,26 +88,38 @@ def main() -> None:
         print(f"warmed up in {llm.model.warm_up(8):.1f} s")
     engine = Engine(llm, max_concurrency=8, prefill_chunk=SERVE_PREFILL_CHUNK).start()
     model_id = "bench"
-    server, url = start_server(create_app(engine, ServeConfig(model_id=model_id)))
+    log_path = Path(tempfile.mkdtemp()) / "requests.jsonl"  # the server's request log: per-request phase timings
+    server, url = start_server(create_app(engine, ServeConfig(model_id=model_id, request_log=log_path)))
+
+    def measured(clients: int, tokens: int, system: str) -> dict:
+        """A round, with the engine's median queue / prefill / decode seconds of its requests (request log)."""
+        done = len(log_path.read_text().splitlines())
+        row = asyncio.run(round_of(url, model_id, clients, tokens, system))
+        records = [json.loads(line) for line in log_path.read_text().splitlines()[done:]]
+        for phase in ("queue", "prefill", "decode"):
+            row[phase] = statistics.median(r[f"{phase}_seconds"] or 0.0 for r in records) if records else float("nan")
+        return row
+
     try:
         for clients in (1, 2, 4, 8):  # the sampling and output path's first calls, at every batch size
             asyncio.run(round_of(url, model_id, clients, 8, "Warm up."))
-        rows = [asyncio.run(round_of(url, model_id, n, args.tokens, f"Session {n}. Be brief.")) for n in (1, 2, 4, 8)]
+        rows = [measured(n, args.tokens, f"Session {n}. Be brief.") for n in (1, 2, 4, 8)]
         words = " ".join(f"word{i}" for i in range(args.prefix_tokens))  # ~2 tokens a word with small vocabularies
         system = llm.tokenizer.decode(llm.tokenizer.encode(words)[: args.prefix_tokens])
-        cold = asyncio.run(round_of(url, model_id, 1, 8, system))
-        warm = asyncio.run(round_of(url, model_id, 1, 8, system))
+        cold = measured(1, 8, system)
+        warm = measured(1, 8, system)
     finally:
         server.should_exit = True
         engine.close()
     print(f"model {llm.path.name} on {llm.device} ({llm.dtype}, {'fast' if llm.fast else 'reference'} runner, "
           f"{args.kv_dtype} KV), {args.tokens} tokens per client")
-    print("clients  aggregate tok/s  median TTFT s  wall s")
+    print("clients  aggregate tok/s  median TTFT s  wall s  | engine medians: queue s  prefill s  decode s")
     for row in rows:
         print(f"{row['clients']:>7}  {row['aggregate_tok_s']:>15.1f}  {row['ttft_median_s']:>13.3f}  "
-              f"{row['wall_s']:>6.2f}")
-    print(f"shared {args.prefix_tokens}-token prefix: cold TTFT {cold['ttft_median_s']:.3f} s, "
-          f"warm TTFT {warm['ttft_median_s']:.3f} s")
+              f"{row['wall_s']:>6.2f}  | {row['queue']:>22.3f}  {row['prefill']:>9.3f}  {row['decode']:>8.3f}")
+    for name, row in (("cold", cold), ("warm", warm)):
+        print(f"shared {args.prefix_tokens}-token prefix, {name}: TTFT {row['ttft_median_s']:.3f} s (engine: queue "
+              f"{row['queue']:.3f} s, prefill {row['prefill']:.3f} s)")
 
 
 if __name__ == "__main__":
