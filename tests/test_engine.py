@@ -10,7 +10,7 @@ import torch
 
 from ninfer.engine.llm import LLM, Finished
 from ninfer.engine.scheduler import Engine, PrefixCache, QueueFullError, QueueTimeoutError, Request
-from ninfer.sampling import SamplingParams
+from ninfer.sampling import SamplingError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -47,6 +47,45 @@ def test_concurrent_requests_each_get_their_single_request_output(llm):
         engine.close()
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "length" and r.prompt_tokens == len(p) for r, p in zip(results, prompts, strict=True))
+
+
+def test_requests_with_different_sampling_share_steps_and_keep_their_own_draws(llm):
+    """Sampled together (one device round trip per step), each request draws what it draws alone: seeded
+    temperature sampling, penalties and greedy in one batch."""
+    params = [GREEDY, SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.2, top_k=40, repetition_penalty=1.3, seed=12, max_tokens=24,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5, max_tokens=24,
+                             ignore_eos=True)]
+    prompts = [llm.tokenizer.encode(f"class Widget{i}:\n    ") for i in range(len(params))]
+    expected = [llm.generate(ids, p).token_ids for ids, p in zip(prompts, params, strict=True)]
+    engine = Engine(llm, max_concurrency=4, prefill_chunk=4).start()
+    try:
+        async def main():
+            return await asyncio.gather(*(_collect(engine, Request(ids, p, thinking=False))
+                                          for ids, p in zip(prompts, params, strict=True)))
+
+        results = asyncio.run(main())
+    finally:
+        engine.close()
+    assert [r.token_ids for r in results] == expected
+
+
+def test_a_request_whose_sampling_fails_fails_alone(llm):
+    engine = Engine(llm, max_concurrency=2).start()
+    broken = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={10**7: 1.0})  # an id past the vocabulary
+    prompt = llm.tokenizer.encode("x = 1\n")
+    try:
+        async def main():
+            return await asyncio.gather(_collect(engine, Request(prompt, broken, thinking=False)),
+                                        _collect(engine, Request(prompt, GREEDY, thinking=False)),
+                                        return_exceptions=True)
+
+        failed, finished = asyncio.run(main())
+    finally:
+        engine.close()
+    assert isinstance(failed, SamplingError) and "outside the vocabulary" in str(failed)
+    assert finished.token_ids == llm.generate(prompt, GREEDY).token_ids
 
 
 def test_cancelling_a_stream_frees_its_sequence(llm):

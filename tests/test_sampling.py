@@ -15,6 +15,7 @@ from ninfer.kernels.sampling import (
     filter_logits,
     make_generator,
     next_token_probs,
+    sample_batch,
     sample_next,
 )
 from ninfer.sampling import SamplingError, SamplingParams
@@ -387,3 +388,55 @@ def test_from_generation_config():
     assert (params.temperature, params.top_k, params.min_p, params.repetition_penalty) == (1.0, 0, 0.05, 1.1)
     with pytest.raises(SamplingError, match="top_p must be in"):
         SamplingParams.from_generation_config({"do_sample": True, "top_p": 0.0})
+
+
+BATCH_PARAMS = [
+    SamplingParams.greedy_params(),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5),
+    SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.2, seed=6),
+    SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={3: 4.0}),
+    SamplingParams(temperature=1.0, seed=7),
+]
+
+
+def test_sample_batch_gives_each_row_the_token_sample_next_gives_it_alone():
+    generator = torch.Generator().manual_seed(0)
+    prompt, generated = torch.tensor([1, 3, 3, 8]), torch.tensor([2, 2, 5])
+    for step in range(20):
+        logits = torch.randn(len(BATCH_PARAMS), 64, generator=generator) * 3
+        batch_generators = [make_generator(p.seed and p.seed + step, "cpu") for p in BATCH_PARAMS]
+        alone_generators = [make_generator(p.seed and p.seed + step, "cpu") for p in BATCH_PARAMS]
+        got = sample_batch(logits, BATCH_PARAMS, batch_generators, [prompt] * 5, [generated] * 5)
+        expected = [sample_next(row, p, g, prompt, generated)
+                    for row, p, g in zip(logits, BATCH_PARAMS, alone_generators, strict=True)]
+        assert got == expected, f"step {step}"
+
+
+def test_sample_batch_fails_only_the_rows_that_cannot_be_sampled():
+    logits = torch.randn(4, 10)
+    logits[1, 4] = float("nan")
+    logits[2] = float("-inf")
+    params = [SamplingParams(temperature=1.0, seed=1)] * 3 + [SamplingParams(logit_bias={12: 1.0})]
+    got = sample_batch(logits, params, [make_generator(1, "cpu")] * 4, [None] * 4, [None] * 4)
+    assert isinstance(got[0], int) and 0 <= got[0] < 10
+    assert isinstance(got[1], SamplingError) and "NaN" in str(got[1])
+    assert isinstance(got[2], SamplingError) and "every one of the 10 logits is -inf" in str(got[2])
+    assert isinstance(got[3], SamplingError) and "logit_bias token id 12" in str(got[3])
+
+
+def test_sample_batch_reads_the_device_back_once(monkeypatch):
+    reads = []
+
+    def counted(name, original):
+        def read(self, *args):
+            reads.append(name)
+            return original(self, *args)
+
+        return read
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__index__"):  # every way a device value reaches Python
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    logits = torch.randn(len(BATCH_PARAMS), 64)
+    generators = [make_generator(p.seed, "cpu") for p in BATCH_PARAMS]
+    sample_batch(logits, BATCH_PARAMS, generators, [torch.tensor([1, 2])] * 5, [torch.tensor([3])] * 5)
+    assert reads == ["tolist"]

@@ -18,8 +18,8 @@ from ninfer.frontend import (
     Tokenizer,
     ToolCall,
 )
-from ninfer.kernels.sampling import make_generator, sample_next
-from ninfer.sampling import SamplingParams
+from ninfer.kernels.sampling import make_generator, sample_batch
+from ninfer.sampling import SamplingError, SamplingParams
 
 
 @dataclass
@@ -66,9 +66,19 @@ class Completion:
         return self.stats.cached_tokens
 
 
+def sample_rows(pipelines: list[OutputPipeline], logits: torch.Tensor) -> list[int | SamplingError]:
+    """The next token of each pipeline's sequence from its row of `logits` `[B, V]` (rows past the tokenizer's
+    vocabulary, the embedding's padding, masked first, in place): `sample_batch`, one device round trip for
+    the whole batch."""
+    logits[:, pipelines[0].tokenizer.vocab_size :] = float("-inf")  # padding rows of the embedding: no text
+    params, generators, prompts, generated = zip(*(p.sampling_inputs() for p in pipelines), strict=True)
+    return sample_batch(logits, params, generators, prompts, generated)
+
+
 class OutputPipeline:
     """One sequence's sampler and text pipeline. `step(logits)` samples the next token and returns the events it
-    decided; once `done`, `completion` holds the whole answer."""
+    decided (`sample_rows` + `advance` do the same for many sequences at once); once `done`, `completion` holds
+    the whole answer."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: torch.Tensor, *, thinking: bool,
                  tools_enabled: bool, device: torch.device):
@@ -85,11 +95,25 @@ class OutputPipeline:
         self.done = False
 
     def step(self, logits: torch.Tensor, free: int) -> list[Any]:
-        """Sample from `logits` (the last position's, fp32 [V]); `free` = context positions still free before the
-        sampled token takes one. Returns the decided events; sets `done` when the sequence ends."""
-        logits[self.tokenizer.vocab_size :] = float("-inf")  # padding rows of the embedding: no text
-        generated = torch.tensor(self.completion.token_ids, dtype=torch.long, device=self.device)
-        token = sample_next(logits, self.params, self.generator, self.prompt_ids, generated)
+        """Sample from `logits` (the last position's, fp32 [V]) and `advance` with the token."""
+        return self.advance(sample_rows([self], logits[None])[0], free)
+
+    def sampling_inputs(self) -> tuple[SamplingParams, torch.Generator | None, torch.Tensor | None,
+                                       torch.Tensor | None]:
+        """What `sample_batch` needs for this sequence's next token: params, generator, and the prompt / generated
+        ids only when a penalty reads them (no host-to-device copy of the generated ids otherwise)."""
+        p = self.params
+        repetition = p.repetition_penalty != 1.0
+        generated = None
+        if repetition or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            generated = torch.tensor(self.completion.token_ids, dtype=torch.long, device=self.device)
+        return p, self.generator, self.prompt_ids if repetition else None, generated
+
+    def advance(self, token: int | SamplingError, free: int) -> list[Any]:
+        """Take the sampled `token` (a SamplingError is raised); `free` = context positions still free before it
+        takes one. Returns the decided events; sets `done` when the sequence ends."""
+        if isinstance(token, SamplingError):
+            raise token
         if token in self.stop_ids:
             return self.finish("stop")
         self.completion.token_ids.append(token)

@@ -36,7 +36,7 @@ import torch
 
 from ninfer.devices import synchronize
 from ninfer.engine.llm import LLM, Finished, PromptTooLongError
-from ninfer.engine.output import Completion, OutputPipeline
+from ninfer.engine.output import Completion, OutputPipeline, sample_rows
 from ninfer.errors import NinferError
 from ninfer.sampling import SamplingParams
 
@@ -291,17 +291,18 @@ class Engine:
                         self._wake.wait(timeout=0.05)
                         continue
                     running = list(self._running)
-                decoding = []
+                sampling = []
                 for sequence in running:
                     if sequence.cancelled:
                         self._release(sequence)
                         continue
                     try:
                         if self._advance(sequence):
-                            decoding.append(sequence)
+                            sampling.append(sequence)
                     except Exception as exc:  # a failing request must not stop the engine
                         sequence.send(exc)
                         self._release(sequence)
+                decoding = self._sample(sampling) if sampling else []
                 if decoding:
                     self._decode(decoding)
         for sequence in list(self._running) + list(self._waiting):
@@ -371,39 +372,60 @@ class Engine:
             self._wake.notify_all()
 
     def _advance(self, sequence: _Sequence) -> bool:
-        """One unit of work: the next prefill chunk, or the events of the last logits; True when the sequence
-        then needs a decode step (taken for all such sequences together by `_decode`)."""
+        """The sequence's next prefill chunk, if any; True when it has logits to sample from (taken for all such
+        sequences together by `_sample`)."""
         model = self.llm.model
         ids = sequence.request.prompt_ids
-        state, output = sequence.state, sequence.output
-        assert state is not None and output is not None
-        if sequence.position < len(ids):
-            end = next(e for e in sequence.chunk_ends if e > sequence.position)
-            chunk = torch.tensor(ids[sequence.position : end], device=self.llm.device)
-            logits = model.forward(chunk, state)
-            sequence.position = end
-            if end in sequence.boundaries:
-                key = PrefixCache.key(ids[:end])
-                if key not in self.cache:
-                    self.cache.put(key, _Snapshot(state.length, model.snapshot(state)))
-            if end == len(ids):
-                sequence.logits = logits
-                synchronize(self.llm.device)
-                output.completion.stats.prefill_seconds = time.perf_counter() - sequence.prefill_started
-                sequence.decode_started = time.perf_counter()
-            return False
-        free = state.capacity - state.length
-        for event in output.step(sequence.logits, free):
-            sequence.send(event)
-        if output.done:
-            stats = output.completion.stats
-            stats.generated_tokens = len(output.completion.token_ids)
-            stats.decode_seconds = time.perf_counter() - sequence.decode_started
-            sequence.finished = True
-            sequence.send(Finished(output.completion))
-            self._release(sequence)
-            return False
-        return True
+        state = sequence.state
+        assert state is not None and sequence.output is not None
+        if sequence.position >= len(ids):
+            return True
+        end = next(e for e in sequence.chunk_ends if e > sequence.position)
+        chunk = torch.tensor(ids[sequence.position : end], device=self.llm.device)
+        logits = model.forward(chunk, state)
+        sequence.position = end
+        if end in sequence.boundaries:
+            key = PrefixCache.key(ids[:end])
+            if key not in self.cache:
+                self.cache.put(key, _Snapshot(state.length, model.snapshot(state)))
+        if end == len(ids):
+            sequence.logits = logits
+            synchronize(self.llm.device)
+            sequence.output.completion.stats.prefill_seconds = time.perf_counter() - sequence.prefill_started
+            sequence.decode_started = time.perf_counter()
+        return False
+
+    def _sample(self, sequences: list[_Sequence]) -> list[_Sequence]:
+        """The next token of every sequence with fresh logits, sampled together (one device round trip), and its
+        events; returns the sequences that go on to a decode step."""
+        outputs = [s.output for s in sequences]
+        try:
+            tokens = sample_rows(outputs, torch.stack([s.logits for s in sequences]))
+        except Exception as exc:  # the batch failed: fail its requests, keep the engine
+            for sequence in sequences:
+                sequence.send(exc)
+                self._release(sequence)
+            return []
+        decoding = []
+        for sequence, token in zip(sequences, tokens, strict=True):
+            state, output = sequence.state, sequence.output
+            try:
+                for event in output.advance(token, state.capacity - state.length):
+                    sequence.send(event)
+            except Exception as exc:  # this request's sampling or text pipeline failed: fail it alone
+                sequence.send(exc)
+                self._release(sequence)
+                continue
+            if output.done:
+                stats = output.completion.stats
+                stats.generated_tokens = len(output.completion.token_ids)
+                stats.decode_seconds = time.perf_counter() - sequence.decode_started
+                sequence.finished = True
+                sequence.send(Finished(output.completion))
+                self._release(sequence)
+            else:
+                decoding.append(sequence)
+        return decoding
 
     def _decode(self, sequences: list[_Sequence]) -> None:
         """One decode step for every sequence that sampled a token: one batched forward of the model."""

@@ -21,6 +21,7 @@ There is no hidden cap on top-k (upstream NInfer caps it at 20; we do not).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -36,18 +37,21 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 
 def apply_penalties(
-    logits: Tensor, params: SamplingParams, prompt_ids: Tensor | None = None, generated_ids: Tensor | None = None
+    logits: Tensor, params: SamplingParams, prompt_ids: Tensor | None = None, generated_ids: Tensor | None = None,
+    *, checked: bool = True,
 ) -> Tensor:
     """Repetition, presence and frequency penalties, then the logit bias (module docstring, step 1).
 
     Shapes: logits `[V]` (any float dtype); prompt_ids, generated_ids `[N]` integer ids in `[0, V)` or None
     (empty). Returns a new fp32 `[V]` tensor; the input is not modified. Raises SamplingError for an id, or a
-    logit_bias id, outside the vocabulary.
+    logit_bias id, outside the vocabulary, and for NaN / +inf logits. `checked=False` skips the checks that read
+    device values back (the ids' range, NaN / +inf): for callers whose ids are the tokenizer's and the sampler's
+    own and that check the logits themselves (`sample_batch`).
     """
-    vocab = _check_logits(logits)
+    vocab = _check_logits(logits, read_back=checked)
     out = logits.to(torch.float32, copy=True)
-    prompt = _token_ids(prompt_ids, vocab, "prompt_ids", out.device)
-    generated = _token_ids(generated_ids, vocab, "generated_ids", out.device)
+    prompt = _token_ids(prompt_ids, vocab, "prompt_ids", out.device, checked)
+    generated = _token_ids(generated_ids, vocab, "generated_ids", out.device, checked)
 
     if params.repetition_penalty != 1.0:
         seen = torch.zeros(vocab, dtype=torch.bool, device=out.device)
@@ -113,7 +117,7 @@ def next_token_probs(
     penalised = apply_penalties(logits, params, prompt_ids, generated_ids)
     best = penalised.max()
     if best == -math.inf:
-        raise SamplingError(f"every one of the {penalised.numel()} logits is -inf: no token can be sampled")
+        raise SamplingError(NOTHING_SAMPLABLE.format(penalised.numel()))
     if params.greedy:
         return torch.zeros_like(penalised).index_fill_(0, torch.argmax(penalised), 1.0)
     scaled = (penalised - best) / torch.full_like(penalised, params.temperature)  # tensor divisor: see above
@@ -139,21 +143,70 @@ def sample_next(
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def _check_logits(logits: Tensor) -> int:
+def sample_batch(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                 prompt_ids: Sequence[Tensor | None],
+                 generated_ids: Sequence[Tensor | None]) -> list[int | SamplingError]:
+    """One next token for each row of `logits` `[B, V]`, row b under params[b] / generators[b] (its request's),
+    each the token `sample_next` would give that row alone (the same device ops, the same draws), with ONE read
+    back to the host for the whole batch: the validity of each row (no NaN / +inf, something samplable) is
+    computed on the device and read with the tokens. A row that cannot be sampled gets its SamplingError in
+    place of a token (its draw is then made from a harmless one-hot, so the device never sees invalid
+    probabilities). The ids in prompt_ids / generated_ids are trusted (not range-checked on the device)."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise SamplingError(f"sample_batch needs float logits [B, V], got {logits.dtype} {list(logits.shape)}")
+    picks: list[Tensor | SamplingError] = []
+    for b, row_params in enumerate(params):
+        row = logits[b]
+        try:
+            penalised = apply_penalties(row, row_params, prompt_ids[b], generated_ids[b], checked=False)
+        except SamplingError as error:  # found on the host (a logit_bias id outside the vocabulary)
+            picks.append(error)
+            continue
+        broken = torch.isnan(row).any() | torch.isposinf(row).any()
+        best = penalised.max()
+        empty = best == -math.inf
+        if row_params.greedy:
+            token = torch.argmax(penalised)
+        else:
+            scaled = (penalised - best) / torch.full_like(penalised, row_params.temperature)
+            probs = torch.softmax(filter_logits(scaled, row_params.top_k, row_params.top_p, row_params.min_p), dim=-1)
+            harmless = torch.zeros_like(probs)
+            harmless[0] = 1.0
+            probs = torch.where(broken | empty, harmless, probs)
+            token = torch.multinomial(probs, 1, generator=generators[b])[0]
+        picks.append(torch.stack([token, broken.long(), empty.long()]))
+    rows = [p for p in picks if isinstance(p, Tensor)]
+    values = iter(torch.stack(rows).tolist() if rows else [])  # the one synchronisation
+    out: list[int | SamplingError] = []
+    for pick in picks:
+        if isinstance(pick, SamplingError):
+            out.append(pick)
+            continue
+        token, broken, empty = next(values)
+        out.append(SamplingError(BROKEN_LOGITS) if broken else SamplingError(NOTHING_SAMPLABLE.format(
+            logits.shape[1])) if empty else token)
+    return out
+
+
+BROKEN_LOGITS = "logits contain NaN or +inf: the model output is broken, nothing can be sampled"
+NOTHING_SAMPLABLE = "every one of the {} logits is -inf: no token can be sampled"
+
+
+def _check_logits(logits: Tensor, read_back: bool = True) -> int:
     if logits.dim() != 1 or not logits.is_floating_point():
         raise SamplingError(f"the sampler needs one row of float logits [V], got {logits.dtype} {list(logits.shape)}")
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():
-        raise SamplingError("logits contain NaN or +inf: the model output is broken, nothing can be sampled")
+    if read_back and (torch.isnan(logits).any() or torch.isposinf(logits).any()):
+        raise SamplingError(BROKEN_LOGITS)
     return logits.shape[0]
 
 
-def _token_ids(ids: Tensor | None, vocab: int, name: str, device: torch.device) -> Tensor:
+def _token_ids(ids: Tensor | None, vocab: int, name: str, device: torch.device, checked: bool = True) -> Tensor:
     if ids is None or ids.numel() == 0:  # an empty tensor holds no ids, whatever its dtype
         return torch.zeros(0, dtype=torch.int64, device=device)
     if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise SamplingError(f"{name} must be a 1-D integer tensor of token ids, got {ids.dtype} {list(ids.shape)}")
     ids = ids.to(device=device, dtype=torch.int64)
-    if ids.min() < 0 or ids.max() >= vocab:
+    if checked and (ids.min() < 0 or ids.max() >= vocab):
         raise SamplingError(
             f"{name} holds an id outside the vocabulary [0, {vocab}): {ids.min().item()}..{ids.max().item()}"
         )
