@@ -109,7 +109,7 @@ def test_gemv_reads_nothing_outside_its_inputs(fmt, n, k):
     acts = quantize_activations(x)
     fenced = Int8Activations(acts.source, _fenced(acts.blocks, 0xFF))
     experts = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=DEVICE)
-    for kwargs in ({}, dict(experts=experts, expert_rows=n, x_per_slot=2)):
+    for kwargs in ({}, dict(mma=True), dict(experts=experts, expert_rows=n, x_per_slot=2)):
         shape = (3 * n, k)
         expected = quant_linear_gemv(acts, data, shape, fmt, **kwargs)
         got = quant_linear_gemv(fenced, _fenced(data, 0xFF), shape, fmt, **kwargs)
@@ -127,6 +127,17 @@ def test_gemv_gives_a_token_the_same_bits_at_any_token_count(fmt):
     for tokens, block_n in ((11, None), (4, 8), (2, 32)):
         got = quant_linear_gemv(x[:tokens], data, (n, k), fmt, block_n=block_n)
         assert torch.equal(got, single[:tokens]), f"T={tokens}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("tokens", "n", "k"), [(2, 40, 130), (7, 33, 1024), (16, 70, 640)])
+def test_tensor_core_route_gives_the_integer_gemvs_bits(fmt, tokens, n, k):
+    """The int8-MMA route (many tokens) and the dp4a route (one token per program) compute the same exact integer
+    block sums and then the same float steps: equal bits, so the route never changes a token's result."""
+    data, generator = _matrix(fmt, n, k, tokens * k)
+    acts = quantize_activations(torch.randn(tokens, k, generator=generator).to(DEVICE))
+    assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, mma=True),
+                       quant_linear_gemv(acts, data, (n, k), fmt, mma=False))
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])
@@ -169,6 +180,9 @@ def test_gemv_refuses_what_it_does_not_do():
         quant_linear_gemv(torch.randn(17, 64), data, (8, 64), "q4_g64_fp16")
     with pytest.raises(ValueError, match="not a groupwise format"):
         quant_linear_gemv(torch.randn(1, 64), codec_for("bf16").encode(torch.randn(8, 64)), (8, 64), "bf16")
+    with pytest.raises(ValueError, match="whole matrices, not gathered experts"):
+        quant_linear_gemv(torch.randn(1, 64, device=DEVICE), codec_for("q4_g64_fp16").encode(torch.randn(16, 64)).to(
+            DEVICE), (16, 64), "q4_g64_fp16", experts=torch.tensor([1], device=DEVICE), expert_rows=8, mma=True)
     with pytest.raises(ValueError, match="x has 32 features, the matrix 64"):
         quant_linear_gemv(torch.randn(1, 32), data, (8, 64), "q4_g64_fp16")
 

@@ -83,9 +83,9 @@ class _Snapshot:
     def to(self, device: torch.device | str, pin: bool = False) -> _Snapshot:
         moved = {}
         for key, value in self.tensors.items():
-            if isinstance(value, torch.Tensor):
-                value = value.to(device)
-                value = value.pin_memory() if pin else value
+            if isinstance(value, torch.Tensor):  # to pinned memory in one copy, not through a pageable one
+                target = torch.empty(value.shape, dtype=value.dtype, device=device, pin_memory=pin)
+                value = target.copy_(value)
             moved[key] = value
         return _Snapshot(self.length, moved)
 

@@ -3,7 +3,7 @@
 Contract: x `[T, K]` (fp32 / bf16 / fp16), `data` the object's bytes (1-D uint8, on x's device), `shape` = (N, K)
 of W, `fmt` its format, W[n, k] = scale[n, k // G] · code[n, k].
 
-Four paths:
+Four paths (the second with two routes):
   * `quant_linear_reference`: decode W exactly (ninfer.quant) and multiply in fp32 — the oracle, any device. With
     `int8_activations`, x is first replaced by its int8 image (`activation_quant`): the oracle of the GEMV;
   * `quant_linear_gemv`: the integer GEMV for few tokens (decode, speculative verify, batched decode: T ≤ 16),
@@ -18,7 +18,10 @@ Four paths:
     (8, 16, 32), removed per block with the activation sums. The K tile depends on the matrix only and the block
     sums are added in a fixed pairwise order, so a token's result is the same bits at any T (verify = decode).
     With `experts`, the kernel gathers: output row s uses the `expert_rows`-row block of expert `experts[s]` and
-    input row `s // x_per_slot` (the MoE decode GEMV);
+    input row `s // x_per_slot` (the MoE decode GEMV). From MMA_MIN_TOKENS tokens a whole matrix takes the
+    tensor-core route instead (`_gemv_mma_kernel`): a program holds up to 16 tokens, unpacks its weight tile once
+    into int8 codes and gets every block's integer dot products for all its tokens from one batched int8 MMA
+    (`tl.dot`, int32), then applies the same float steps in the same order — the same bits as the dp4a route;
   * `quant_linear_grouped`: tiles of (token, expert) pairs that share an expert (`group_pairs` plans the tiles on
     the device) through `tl.dot` with bf16 weights (the codes decoded exactly, scaled, rounded to x's dtype) and
     fp32 accumulation, for MoE prefill: one launch per matrix for all experts;
@@ -53,6 +56,11 @@ MAX_GEMV_TOKENS = 16
 # its weights from L2. 1 on the H200: at 4, each thread's loads of x's records bound the kernel (L1 traffic 13×
 # the weight bytes; docs/performance.md)
 MAX_TOKEN_TILE = 1
+# from this many tokens a whole matrix takes the tensor-core route (`_gemv_mma_kernel`: the same bits, the weights
+# unpacked once for all tokens instead of once per token); a prediction from instruction counts, not yet measured
+MMA_MIN_TOKENS = 6
+MMA_TOKENS = 16  # tokens per tensor-core program (the MMA's N; fewer tokens are padded)
+MMA_BLOCK_N = 32  # rows per tensor-core program
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -277,6 +285,62 @@ if triton is not None:
         tl.store(out, _pairwise_sum(acc, BLOCKS), mask=token_ok[:, None] & row_ok[None, :])
 
     @triton.jit
+    def _quad_bytes(even, odd):
+        """The 32 codes of each block from the weights' even / odd quads `[BN, BLOCKS, 4]` int32
+        (`_weight_quads`) as int8 `[BN, BLOCKS, 32]`, in the order the bytes of the activation records' eight code
+        words lie in memory: byte j = word j // 4 (even quads 0–3, then odd quads), byte j % 4 — so the records'
+        codes load as int8 straight into the same order (a block's integer dot product does not depend on the
+        order of its lanes). Truncating a byte to int8 gives its code: unsigned q4–q6 codes (< 64) and signed
+        q8 codes alike."""
+        codes = tl.permute(tl.join(_word_bytes(even), _word_bytes(odd)), (0, 1, 5, 2, 3, 4))  # parity before unit
+        return tl.reshape(codes, [even.shape[0], even.shape[1], 32])
+
+    @triton.jit
+    def _word_bytes(quads):
+        """int32 words `[BN, BLOCKS, 4]` as their int8 bytes `[BN, BLOCKS, 4, 2, 2]`, byte i at [..., i // 2, i % 2]."""
+        return tl.join(tl.join(quads.to(tl.int8), (quads >> 16).to(tl.int8)),
+                       tl.join((quads >> 8).to(tl.int8), (quads >> 24).to(tl.int8)))
+
+    @triton.jit
+    def _gemv_mma_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
+                         high_row_units, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr):
+        # all T tokens in one program: each 32-lane block's exact integer dot products for the BLOCK_T tokens at
+        # once on the tensor cores (int8 MMA, batched over the tile's blocks), then the very float steps of
+        # `_gemv_kernel` — the same bits, with the weights read and unpacked once for all tokens
+        BLOCKS: tl.constexpr = BLOCK_K // 32
+        OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        tokens = tl.arange(0, BLOCK_T)
+        x_rows = tl.minimum(tokens, T - 1).to(tl.int64)  # padding tokens repeat the last one (not stored)
+        block_index = x_rows[:, None] * x_block_count + tl.arange(0, BLOCKS)[None, :]  # [T, BLOCKS]
+        # the records' code bytes (words 0-7 of each 48-byte record) as int8 [T, BLOCKS, 32]
+        code_bytes = x_blocks_ptr.to(tl.pointer_type(tl.int8)) + block_index[:, :, None] * 48 \
+            + tl.arange(0, 32)[None, None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCKS), dtype=tl.float32)
+        k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
+        words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, safe_rows, 0, row_words, high_row_units,
+                                             gpr, BITS, GROUP, BLOCK_K)
+        for k0 in tl.range(0, k_pad, BLOCK_K):
+            # the next tile's loads go out before this tile's arithmetic (the last tile reloads itself)
+            next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, safe_rows, tl.minimum(k0 + BLOCK_K, k_last),
+                                      row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
+            even, odd = _weight_quads(words, high, bias, BITS, ASM)
+            w_codes = tl.permute(_quad_bytes(even, odd), (1, 0, 2))  # [BLOCKS, BN, 32]
+            step = (k0 // 32) * 12
+            x_codes = tl.permute(tl.load(code_bytes + step * 4), (1, 2, 0))  # [BLOCKS, 32, T]
+            block_dots = tl.permute(tl.dot(w_codes, x_codes, out_dtype=tl.int32), (2, 1, 0))  # [T, BN, BLOCKS]
+            x_scale = tl.load(x_blocks_ptr + block_index * 12 + step + 8).to(tl.float32, bitcast=True)
+            if OFFSET:
+                block_dots -= OFFSET * tl.load(x_blocks_ptr + block_index * 12 + step + 9)[:, None, :]
+            acc += block_dots.to(tl.float32) * (w_scale[None, :, :] * x_scale[:, None, :])
+            words, high, w_scale = next_tile
+        out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
+        tl.store(out, _pairwise_sum(acc, BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
+
+    @triton.jit
     def _grouped_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr, N, k_pad, row_words,
                         high_row_units, gpr, stride_x, stride_out, num_experts, BITS: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -379,12 +443,14 @@ def gemv_block_k(k_pad: int) -> int:
 def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, shape: tuple[int, int], fmt: str,
                       block_n: int | None = None, block_k: int | None = None, out_dtype: torch.dtype | None = None,
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
-                      num_warps: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, out: torch.Tensor | None = None,
+                      mma: bool | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
     a wider buffer). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the result is
-    `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ."""
+    `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `mma` picks the route (default: the
+    tensor-core one from MMA_MIN_TOKENS tokens, for whole matrices); both give the same bits."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     codec, base, high, scales, planes = _planes(data, shape, fmt)
@@ -415,8 +481,19 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     block_n = block_n or default_n
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
-    grid = (triton.cdiv(n, block_n) * token_tiles, slots if experts is not None else 1)
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
+    if mma is None:
+        mma = experts is None and tokens >= MMA_MIN_TOKENS
+    if mma:
+        if experts is not None:
+            raise ValueError("the tensor-core route takes whole matrices, not gathered experts")
+        mma_n = 64 if INTERPRETED else MMA_BLOCK_N
+        _gemv_mma_kernel[(triton.cdiv(n, mma_n),)](
+            acts.blocks, base, high, scales, out, tokens, n, k_pad, planes[0].row_bytes // 4,
+            _high_row_units(codec, planes), gpr, acts.blocks.shape[1], out.stride(0), bias, BITS=codec.bits,
+            GROUP=codec.group, BLOCK_N=mma_n, BLOCK_K=block_k, BLOCK_T=MMA_TOKENS, ASM=ASM, num_warps=4)
+        return out
+    grid = (triton.cdiv(n, block_n) * token_tiles, slots if experts is not None else 1)
     _gemv_kernel[grid](
         acts.blocks, base, high, scales, out, experts if experts is not None else base,
         tokens if experts is None else 1, n, k_pad,
