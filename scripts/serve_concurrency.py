@@ -95,6 +95,9 @@ def main() -> None:
         """A round, with the engine's median queue / prefill / decode seconds of its requests (request log)."""
         done = len(log_path.read_text().splitlines())
         row = asyncio.run(round_of(url, model_id, clients, tokens, system))
+        deadline = time.perf_counter() + 5  # the server writes a request's line after its response has ended
+        while len(log_path.read_text().splitlines()) < done + clients and time.perf_counter() < deadline:
+            time.sleep(0.01)
         records = [json.loads(line) for line in log_path.read_text().splitlines()[done:]]
         for phase in ("queue", "prefill", "decode"):
             row[phase] = statistics.median(r[f"{phase}_seconds"] or 0.0 for r in records) if records else float("nan")
