@@ -90,6 +90,10 @@ class _Snapshot:
         return _Snapshot(self.length, moved)
 
 
+PREFIX_CACHE_CPU_BYTES = 256 << 20
+PREFIX_CACHE_MAX_BYTES = 8 << 30
+
+
 class PrefixCache:
     """Snapshots of sequence states keyed by the exact token prefix they follow; LRU within two byte budgets:
     on the model's device, then (CUDA only) in pinned host memory, then dropped."""
@@ -172,7 +176,7 @@ class Engine:
     """See the module docstring."""
 
     def __init__(self, llm: LLM, *, max_concurrency: int = 8, max_pending: int = 64, queue_timeout: float = 60.0,
-                 prefill_chunk: int = 256, kv_capacity: int | None = None, prefix_cache_bytes: int = 256 << 20,
+                 prefill_chunk: int = 256, kv_capacity: int | None = None, prefix_cache_bytes: int | None = None,
                  host_cache_bytes: int = 1 << 30):
         if max_concurrency < 1 or max_pending < 0 or prefill_chunk < 1:
             raise ValueError("max_concurrency and prefill_chunk must be positive, max_pending non-negative")
@@ -190,6 +194,8 @@ class Engine:
         if model_capacity is not None and self.kv_capacity > model_capacity:
             raise NinferError(f"kv_capacity {self.kv_capacity} exceeds the {model_capacity} tokens of the model's "
                               "KV pool")
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = self.default_prefix_cache_bytes(llm.device)
         self.cache = PrefixCache(llm.device, prefix_cache_bytes, host_cache_bytes)
         pool = getattr(llm.model, "cache", None)
         if pool is not None:  # the fast path's KV pool: snapshots hold pages it may need back
@@ -202,6 +208,17 @@ class Engine:
         self._wake = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def default_prefix_cache_bytes(device: torch.device) -> int:
+        """The device budget of the prefix cache when none is given: on CUDA a quarter of the memory still free
+        once the model and its pools are loaded, at most PREFIX_CACHE_MAX_BYTES (a 27B snapshot holds 151 MB of
+        GDN state: 256 MB kept one, and every new one spilled the last to host memory); elsewhere
+        PREFIX_CACHE_CPU_BYTES."""
+        if device.type != "cuda":
+            return PREFIX_CACHE_CPU_BYTES
+        free, _ = torch.cuda.mem_get_info(device)
+        return min(PREFIX_CACHE_MAX_BYTES, free // 4)
 
     @staticmethod
     def plan_kv_capacity(llm: LLM, max_concurrency: int, margin: float = 0.1) -> int:
