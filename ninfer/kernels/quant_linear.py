@@ -19,9 +19,10 @@ Four paths (the second with two routes):
     sums are added in a fixed pairwise order, so a token's result is the same bits at any T (verify = decode).
     With `experts`, the kernel gathers: output row s uses the `expert_rows`-row block of expert `experts[s]` and
     input row `s // x_per_slot` (the MoE decode GEMV). From MMA_MIN_TOKENS tokens a whole matrix takes the
-    tensor-core route instead (`_gemv_mma_kernel`): a program holds up to 16 tokens, unpacks its weight tile once
-    into int8 codes and gets every block's integer dot products for all its tokens from one batched int8 MMA
-    (`tl.dot`, int32), then applies the same float steps in the same order — the same bits as the dp4a route;
+    tensor-core route instead on NVIDIA sm_80+ (`_gemv_mma_kernel`): a program holds up to 16 tokens, unpacks its
+    weight tile once into int8 codes and gets every block's integer dot products for all its tokens from one
+    batched int8 MMA (`tl.dot`, int32), then applies the same float steps in the same order — the same bits as
+    the dp4a route;
   * `quant_linear_grouped`: tiles of (token, expert) pairs that share an expert (`group_pairs` plans the tiles on
     the device) through `tl.dot` with bf16 weights (the codes decoded exactly, scaled, rounded to x's dtype) and
     fp32 accumulation, for MoE prefill: one launch per matrix for all experts;
@@ -32,6 +33,7 @@ Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -483,7 +485,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
     if mma is None:
-        mma = experts is None and tokens >= MMA_MIN_TOKENS
+        mma = experts is None and tokens >= MMA_MIN_TOKENS and _has_int8_mma(data.device)
     if mma:
         if experts is not None:
             raise ValueError("the tensor-core route takes whole matrices, not gathered experts")
@@ -501,6 +503,15 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
         GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM, num_warps=num_warps or default_warps)
     return out
+
+
+@functools.lru_cache
+def _has_int8_mma(device: torch.device) -> bool:
+    """Whether `tl.dot` on int8 runs on tensor cores here: NVIDIA sm_80 and newer (and the interpreter, which
+    emulates it); elsewhere the dp4a route serves every token count."""
+    if INTERPRETED:
+        return True
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def group_pairs(expert_ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
