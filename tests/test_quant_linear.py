@@ -109,7 +109,8 @@ def test_gemv_reads_nothing_outside_its_inputs(fmt, n, k):
     acts = quantize_activations(x)
     fenced = Int8Activations(acts.source, _fenced(acts.blocks, 0xFF))
     experts = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=DEVICE)
-    for kwargs in ({}, dict(mma=True), dict(experts=experts, expert_rows=n, x_per_slot=2)):
+    for kwargs in ({}, dict(prefetch=2), dict(mma=True), dict(experts=experts, expert_rows=n, x_per_slot=2),
+                   dict(experts=experts, expert_rows=n, x_per_slot=2, prefetch=2)):
         shape = (3 * n, k)
         expected = quant_linear_gemv(acts, data, shape, fmt, **kwargs)
         got = quant_linear_gemv(fenced, _fenced(data, 0xFF), shape, fmt, **kwargs)
@@ -133,11 +134,13 @@ def test_gemv_gives_a_token_the_same_bits_at_any_token_count(fmt):
 @pytest.mark.parametrize(("tokens", "n", "k"), [(2, 40, 130), (7, 33, 1024), (16, 70, 640)])
 def test_tensor_core_route_gives_the_integer_gemvs_bits(fmt, tokens, n, k):
     """The int8-MMA route (many tokens) and the dp4a route (one token per program) compute the same exact integer
-    block sums and then the same float steps: equal bits, so the route never changes a token's result."""
+    block sums and then the same float steps: equal bits, so the route never changes a token's result; nor does
+    the dp4a route's prefetch depth."""
     data, generator = _matrix(fmt, n, k, tokens * k)
     acts = quantize_activations(torch.randn(tokens, k, generator=generator).to(DEVICE))
-    assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, mma=True),
-                       quant_linear_gemv(acts, data, (n, k), fmt, mma=False))
+    expected = quant_linear_gemv(acts, data, (n, k), fmt, mma=False)
+    assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, mma=True), expected)
+    assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, mma=False, prefetch=2), expected)  # loads only
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])
@@ -183,6 +186,8 @@ def test_gemv_refuses_what_it_does_not_do():
     with pytest.raises(ValueError, match="whole matrices, not gathered experts"):
         quant_linear_gemv(torch.randn(1, 64, device=DEVICE), codec_for("q4_g64_fp16").encode(torch.randn(16, 64)).to(
             DEVICE), (16, 64), "q4_g64_fp16", experts=torch.tensor([1], device=DEVICE), expert_rows=8, mma=True)
+    with pytest.raises(ValueError, match="prefetch takes 1 or 2 tiles, not 3"):
+        quant_linear_gemv(torch.randn(1, 64, device=DEVICE), data.to(DEVICE), (8, 64), "q4_g64_fp16", prefetch=3)
     with pytest.raises(ValueError, match="x has 32 features, the matrix 64"):
         quant_linear_gemv(torch.randn(1, 32), data, (8, 64), "q4_g64_fp16")
 

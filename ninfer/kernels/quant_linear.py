@@ -61,6 +61,7 @@ MAX_TOKEN_TILE = 1
 # from this many tokens a whole matrix takes the tensor-core route (`_gemv_mma_kernel`: the same bits, the weights
 # unpacked once for all tokens instead of once per token); a prediction from instruction counts, not yet measured
 MMA_MIN_TOKENS = 6
+GEMV_PREFETCH = 1  # weight tiles the dp4a route loads ahead (2 is in the sweep: bytes in flight bound it)
 MMA_TOKENS = 16  # tokens per tensor-core program (the MMA's N; fewer tokens are padded)
 MMA_BLOCK_N = 32  # rows per tensor-core program
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
@@ -238,7 +239,8 @@ if triton is not None:
     def _gemv_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
                      T, N, k_pad, row_words, high_row_units, gpr, x_block_count, stride_out, bias,
                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, ASM: tl.constexpr):
+                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, ASM: tl.constexpr,
+                     PREFETCH: tl.constexpr):
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         # program_id(0) = row tile · token tiles + token tile: the programs of one row tile run side by side, so
@@ -268,10 +270,18 @@ if triton is not None:
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)  # k_pad is a multiple of BLOCK_K: aligned vector loads
         words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, 0, row_words, high_row_units, gpr,
                                              BITS, GROUP, BLOCK_K)
+        if PREFETCH == 2:
+            next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(BLOCK_K, k_last), row_words,
+                                      high_row_units, gpr, BITS, GROUP, BLOCK_K)
         for k0 in tl.range(0, k_pad, BLOCK_K):
-            # the next tile's loads go out before this tile's arithmetic (the last tile reloads itself)
-            next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
-                                      row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
+            # the loads of the PREFETCH next tiles are out before this tile's arithmetic (past the end, the last
+            # tile reloads itself): bytes in flight per warp, which bound the kernel at one program per warp
+            if PREFETCH == 2:
+                after_next = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + 2 * BLOCK_K, k_last),
+                                           row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
+            else:
+                next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
+                                          row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
             record = x_record + (k0 // 32) * 12
             dots = _dp4a(even[None], tl.load(record), 0, BITS == 8, ASM)
@@ -283,6 +293,8 @@ if triton is not None:
                 block_dots -= OFFSET * tl.sum(tl.where(word == 1, meta, 0), axis=3)
             acc += block_dots.to(tl.float32) * (w_scale[None, :, :] * x_scale)
             words, high, w_scale = next_tile
+            if PREFETCH == 2:
+                next_tile = after_next
         out = out_ptr + out_rows[:, None].to(tl.int64) * stride_out + rows[None, :]
         tl.store(out, _pairwise_sum(acc, BLOCKS), mask=token_ok[:, None] & row_ok[None, :])
 
@@ -446,13 +458,14 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                       block_n: int | None = None, block_k: int | None = None, out_dtype: torch.dtype | None = None,
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
                       num_warps: int | None = None, out: torch.Tensor | None = None,
-                      mma: bool | None = None) -> torch.Tensor:
+                      mma: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
     a wider buffer). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the result is
     `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `mma` picks the route (default: the
-    tensor-core one from MMA_MIN_TOKENS tokens, for whole matrices); both give the same bits."""
+    tensor-core one from MMA_MIN_TOKENS tokens, for whole matrices); both give the same bits. `prefetch`: weight
+    tiles in flight ahead of the arithmetic in the dp4a route (1 or 2, default GEMV_PREFETCH)."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     codec, base, high, scales, planes = _planes(data, shape, fmt)
@@ -483,6 +496,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     block_n = block_n or default_n
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
+    if prefetch not in (None, 1, 2):
+        raise ValueError(f"prefetch takes 1 or 2 tiles, not {prefetch}")
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
     if mma is None:
         mma = experts is None and tokens >= MMA_MIN_TOKENS and _has_int8_mma(data.device)
@@ -501,7 +516,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         tokens if experts is None else 1, n, k_pad,
         planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, acts.blocks.shape[1],
         out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
-        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM, num_warps=num_warps or default_warps)
+        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM, PREFETCH=prefetch or GEMV_PREFETCH,
+        num_warps=num_warps or default_warps)
     return out
 
 

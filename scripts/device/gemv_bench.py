@@ -31,7 +31,8 @@ SHAPES = [  # (name, N, K, fmt, experts gathered)
     ("mtp q8", 5120, 10240, "q8_g32_fp16", 0),
 ]
 quick = "--quick" in sys.argv
-configs = [(4, 2), (2, 1), (4, 4), (8, 2), (8, 4), (16, 4), (16, 8)]  # (BLOCK_N, warps); BLOCK_K is the matrix's
+# (BLOCK_N, warps, tiles prefetched); BLOCK_K is the matrix's
+configs = [(2, 1, 1), (2, 1, 2), (4, 2, 1), (4, 2, 2), (4, 4, 1), (8, 2, 1), (8, 4, 1), (16, 4, 1), (16, 8, 1)]
 best = {}
 for name, n, k, fmt, gathered in SHAPES:
     codec = codec_for(fmt)
@@ -43,10 +44,10 @@ for name, n, k, fmt, gathered in SHAPES:
     block_k = gemv_block_k(codec.groups_per_row(k) * codec.group)
     for tokens in ((1,) if gathered else (1, 8)):
         acts = quantize_activations(torch.randn(1 if gathered else tokens, k, device="cuda", dtype=torch.bfloat16))
-        for block_n, warps in configs[:4] if quick else configs:
+        for block_n, warps, prefetch in configs[:4] if quick else configs:
             rotation = itertools.cycle(copies)
             kwargs = dict(block_n=block_n, out_dtype=torch.bfloat16, experts=experts, expert_rows=n,
-                          x_per_slot=gathered or 1, num_warps=warps)
+                          x_per_slot=gathered or 1, num_warps=warps, prefetch=prefetch, mma=False)
 
             def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, kwargs=kwargs):
                 return quant_linear_gemv(acts, next(rotation), shape, fmt, **kwargs)
@@ -55,9 +56,9 @@ for name, n, k, fmt, gathered in SHAPES:
             fraction = read / (us / 1e6) / bandwidth
             key = (name, tokens)
             if key not in best or fraction > best[key][0]:
-                best[key] = (fraction, us, block_n, block_k, warps)
-            print(f"{name:28s} T={tokens:2d} BN={block_n:3d} BK={block_k:4d} warps={warps}: {us:8.1f} us "
-                  f"{fraction:5.0%} of the limit", flush=True)
+                best[key] = (fraction, us, block_n, block_k, warps, prefetch)
+            print(f"{name:28s} T={tokens:2d} BN={block_n:3d} BK={block_k:4d} warps={warps} prefetch={prefetch}: "
+                  f"{us:8.1f} us {fraction:5.0%} of the limit", flush=True)
     if not gathered:  # the tensor-core route against the best dp4a tile: where MMA_MIN_TOKENS should sit
         for tokens in (4, 6, 8, 16):
             acts = quantize_activations(torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16))
@@ -80,5 +81,6 @@ for tokens in (1, 16):
                                            return_mode="median") * 1e3
     print(f"quantize_activations T={tokens} K=17408: {us:.1f} us")
 print("best per shape:")
-for (name, tokens), (fraction, us, block_n, block_k, warps) in best.items():
-    print(f"  {name:28s} T={tokens:2d}: {us:8.1f} us {fraction:5.0%}  BN={block_n} BK={block_k} warps={warps}")
+for (name, tokens), (fraction, us, block_n, block_k, warps, prefetch) in best.items():
+    print(f"  {name:28s} T={tokens:2d}: {us:8.1f} us {fraction:5.0%}  BN={block_n} BK={block_k} warps={warps} "
+          f"prefetch={prefetch}")
