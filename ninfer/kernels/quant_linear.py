@@ -179,24 +179,27 @@ if triton is not None:
         """The tile's weight codes as byte quads matching the activation quads (`activation_quant`): (even, odd)
         `[BN, BLOCKS, 4]` int32 for the units (8 lanes) of each 32-lane block; even = lanes 8u + 0, 2, 4, 6 of unit
         u, odd = lanes 8u + 1, 3, 5, 7; unsigned code + offset (q4: 8, q5: 16, q6: 32) for the 4–6-bit formats,
-        the signed code for q8. `words`, `high`: as `_load_weights` returns them; `bias` the offset in every byte
-        (0x08080808 for q4), a runtime value: in a register, the mask and the flip fuse into one LOP3 (two
-        immediates cannot)."""
+        the signed code for q8. `words`, `high`: as `_load_weights` returns them; `bias` the q4 offset in every
+        byte (0x08080808), a runtime value: in a register, the mask and the flip fuse into one LOP3 (two immediates
+        cannot). For q5 / q6 the offset is the code's top bit, flipped in the high plane before it is spread."""
         if BITS == 8:
             w0, w1 = tl.split(words)
             even = _pick_bytes(w0, w1, 0x6420, ASM)
             odd = _pick_bytes(w0, w1, 0x7531, ASM)
-        else:
+        elif BITS == 4:
+            even = (words & 0x0F0F0F0F) ^ bias
+            odd = ((words >> 4) & 0x0F0F0F0F) ^ bias
+        else:  # the offset is the top code bit, which comes from the high plane: flip it there, once per word
             even = words & 0x0F0F0F0F
             odd = (words >> 4) & 0x0F0F0F0F
             if BITS == 5:  # bit i of the high byte is bit 4 of lane i
-                even = even | (((high & 0x55) * 0x410410) & 0x10101010)
-                odd = odd | (((high & 0xAA) * 0x208208) & 0x10101010)
-            elif BITS == 6:  # bits 2i, 2i + 1 of the high unit are bits 4, 5 of lane i
-                even = even | _spread_q6_pairs(high)
-                odd = odd | _spread_q6_pairs(high >> 2)
-            even = even ^ bias
-            odd = odd ^ bias
+                flipped = high ^ 0xFF
+                even = even | (((flipped & 0x55) * 0x410410) & 0x10101010)
+                odd = odd | (((flipped & 0xAA) * 0x208208) & 0x10101010)
+            else:  # q6: bits 2i, 2i + 1 of the high unit are bits 4, 5 of lane i
+                flipped = high ^ 0xAAAA
+                even = even | _spread_q6_pairs(flipped)
+                odd = odd | _spread_q6_pairs(flipped >> 2)
         return even, odd
 
     @triton.jit
