@@ -64,3 +64,21 @@ def _gather(collect, prompts):
         return await asyncio.gather(*(collect(ids) for ids in prompts))
 
     return asyncio.run(main())
+
+
+def test_batched_sampling_on_cuda_draws_what_each_row_draws_alone():
+    from ninfer.kernels.sampling import make_generator, sample_batch, sample_next
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+              SamplingParams(temperature=1.0, top_k=50, repetition_penalty=1.2, seed=4),
+              SamplingParams(temperature=0.0, presence_penalty=0.5, logit_bias={7: 2.0})]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    prompt, generated = torch.tensor([1, 5, 9], device="cuda"), torch.tensor([7, 7, 2], device="cuda")
+    for _ in range(10):
+        logits = torch.randn(len(params), 248_320, device="cuda", generator=generator) * 4
+        batch_generators = [make_generator(p.seed, "cuda") for p in params]
+        alone_generators = [make_generator(p.seed, "cuda") for p in params]
+        got = sample_batch(logits, params, batch_generators, [prompt] * 4, [generated] * 4)
+        expected = [sample_next(row, p, g, prompt, generated)
+                    for row, p, g in zip(logits, params, alone_generators, strict=True)]
+        assert got == expected
