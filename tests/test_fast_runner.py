@@ -317,6 +317,21 @@ def test_verify_equals_token_by_token_decode_and_accept_resumes(path):
         fast.verify(verified, torch.zeros((2, 4), dtype=torch.long))
 
 
+def test_a_batch_wider_than_a_tensor_core_tile_gives_each_sequence_its_own_bits():
+    """18 rows: two token tiles of the tensor-core GEMV (one padded), dp4a for the row decoded alone — the same
+    bits over two steps, so what else is batched never changes a sequence's tokens."""
+    _, fast = _models(DENSE, max_sequences=18)
+    steps = [torch.arange(18) + 3, torch.arange(18) * 7 + 40]
+    states = [fast.new_state(4) for _ in range(18)]
+    batch = [fast.decode_batch(states, tokens) for tokens in steps]
+    del states
+    gc.collect()
+    for i in (0, 9, 17):
+        alone = fast.new_state(4)
+        for step, tokens in enumerate(steps):
+            assert torch.equal(fast.decode_batch([alone], tokens[i : i + 1])[0], batch[step][i]), f"{i}, {step}"
+
+
 def test_snapshots_share_full_pages_by_reference_and_give_them_back(dense):
     _, fast = dense
     cache = fast.cache

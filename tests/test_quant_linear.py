@@ -131,7 +131,7 @@ def test_gemv_gives_a_token_the_same_bits_at_any_token_count(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("tokens", "n", "k"), [(2, 40, 130), (7, 33, 1024), (16, 70, 640)])
+@pytest.mark.parametrize(("tokens", "n", "k"), [(2, 40, 130), (7, 33, 1024), (16, 70, 640), (37, 20, 256)])
 def test_tensor_core_route_gives_the_integer_gemvs_bits(fmt, tokens, n, k):
     """The int8-MMA route (many tokens) and the dp4a route (one token per program) compute the same exact integer
     block sums and then the same float steps: equal bits, so the route never changes a token's result; nor does
@@ -179,8 +179,8 @@ def test_dequantize_equals_the_codec(fmt):
 
 def test_gemv_refuses_what_it_does_not_do():
     data = codec_for("q4_g64_fp16").encode(torch.randn(8, 64))  # refused before any kernel runs
-    with pytest.raises(ValueError, match=r"1\.\.16 tokens"):
-        quant_linear_gemv(torch.randn(17, 64), data, (8, 64), "q4_g64_fp16")
+    with pytest.raises(ValueError, match=r"1\.\.64 tokens"):
+        quant_linear_gemv(torch.randn(65, 64), data, (8, 64), "q4_g64_fp16")
     with pytest.raises(ValueError, match="not a groupwise format"):
         quant_linear_gemv(torch.randn(1, 64), codec_for("bf16").encode(torch.randn(8, 64)), (8, 64), "bf16")
     with pytest.raises(ValueError, match="whole matrices, not gathered experts"):

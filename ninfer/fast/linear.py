@@ -1,13 +1,15 @@
 """A weight matrix of the GPU fast path, kept in its stored format on the device, and y = x · Wᵀ over it.
 
 Routes (chosen by the format, the number of tokens T and what x is):
-  * groupwise (q4/q5/q6/q8), x given as `Int8Activations` (`shared_input`: decode and verify steps, T ≤ 16): the
-    integer Triton GEMV, which reads the packed planes once; an input read by several matrices is quantized once;
+  * groupwise (q4/q5/q6/q8), x given as `Int8Activations` (`shared_input`: decode and verify steps, T ≤ 64): the
+    integer Triton GEMV, which reads the packed planes once (from 6 tokens on the tensor cores, the same bits);
+    an input read by several matrices is quantized once;
   * groupwise, x a tensor (prefill, any T): dequantize into a shared scratch buffer, then cuBLAS (the matmul
     dominates); stacked MoE experts go through the grouped kernel in one launch;
-  * fp8 rows: the FP8 GEMV for T ≤ 16, rows decoded into the scratch buffer then cuBLAS for T > 16;
-  * bf16: the dense GEMV for T ≤ 16 (a token's result independent of T), cuBLAS beyond (fp32 artifacts are
-    converted to the activation dtype at load).
+  * fp8 rows: the FP8 GEMV for T ≤ 16 (its cost grows with T: one token per program), rows decoded into the
+    scratch buffer then cuBLAS beyond;
+  * bf16: the dense GEMV for T ≤ 64 and small matrices (a token's result independent of T), cuBLAS for the rest
+    (fp32 artifacts are converted to the activation dtype at load).
 The output has x's dtype unless asked otherwise; MoE experts go through `gather`.
 """
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from ninfer.kernels.activation_quant import Int8Activations, quantize_activations
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
+from ninfer.kernels.fp8_linear import MAX_TOKENS as FP8_GEMV_TOKENS
 from ninfer.kernels.fp8_linear import fp8_block, fp8_linear_gemv, fp8_rows
 from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, dequantize, quant_linear_gemv, quant_linear_grouped
 from ninfer.quant import codec_for
@@ -36,8 +39,8 @@ def is_packed(fmt: str) -> bool:
 
 def shared_input(x: torch.Tensor | Int8Activations, readers: list[PackedLinear]) -> torch.Tensor | Int8Activations:
     """x prepared once for the matrices `readers` that all multiply it: its int8 image when some of them will take
-    the integer GEMV (T ≤ 16 and groupwise), else x. An input that comes quantized (`add_rms_norm(quantize=True)`)
-    is passed on."""
+    the integer GEMV (T ≤ MAX_GEMV_TOKENS and groupwise), else x. An input that comes quantized
+    (`add_rms_norm(quantize=True)`) is passed on."""
     if isinstance(x, Int8Activations):
         return x
     if x.shape[0] <= MAX_GEMV_TOKENS and any(reader.groupwise for reader in readers):
@@ -63,6 +66,11 @@ class Scratch:
         if self.buffer.numel() < elements:
             self.buffer = torch.empty(elements, dtype=self.dtype, device=self.device)
         return self.buffer
+
+
+# bf16 matrices up to this size take the per-token dense GEMV in decode steps: the small ones of a packed artifact
+# (the 27B's a/b projection has 0.5 M elements); a bf16 artifact's projections would be read once per token
+DENSE_GEMV_MAX_ELEMENTS = 1 << 22
 
 
 class PackedLinear:
@@ -100,10 +108,12 @@ class PackedLinear:
 
     def _product(self, source: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if not self.packed:
-            if source.shape[0] <= MAX_GEMV_TOKENS:  # a result per token whatever T (cuBLAS picks kernels by T)
+            # small matrices (GDN a/b, routers): a result per token whatever T (cuBLAS picks kernels by T); large ones
+            # (a bf16 artifact's projections) through cuBLAS, which reads them once for all tokens
+            if source.shape[0] <= MAX_GEMV_TOKENS and self.weight.numel() <= DENSE_GEMV_MAX_ELEMENTS:
                 return dense_linear_gemv(source.to(self.weight.dtype), self.weight, out_dtype=out_dtype)
             return F.linear(source.to(self.weight.dtype), self.weight).to(out_dtype)
-        if source.shape[0] <= MAX_GEMV_TOKENS and not self.groupwise:
+        if source.shape[0] <= FP8_GEMV_TOKENS and not self.groupwise:
             return fp8_linear_gemv(source, self.data, self.shape, out_dtype=out_dtype)
         weight = self._decoded(0, self.shape[0])
         return F.linear(source.to(weight.dtype), weight).to(out_dtype)

@@ -1,7 +1,7 @@
 """y = x · Wᵀ for a dense weight matrix (bf16 / fp16 / fp32) and few tokens, with a result per token that does not
 depend on how many tokens share the call.
 
-Contract: x `[T, K]` (fp32 / bf16 / fp16, stride 1 on K), W `[N, K]` (stride 1 on K), T ≤ 16. y[t, n] =
+Contract: x `[T, K]` (fp32 / bf16 / fp16, stride 1 on K), W `[N, K]` (stride 1 on K), T ≤ 64. y[t, n] =
 Σ_k x[t, k] · W[n, k] accumulated in fp32, `[T, N]` in `out_dtype` (default fp32).
 
 `dense_linear_gemv`: each program owns BLOCK_N rows of one token (grid: row tiles × tokens) and walks K in

@@ -6,7 +6,7 @@ of W, `fmt` its format, W[n, k] = scale[n, k // G] · code[n, k].
 Four paths (the second with two routes):
   * `quant_linear_reference`: decode W exactly (ninfer.quant) and multiply in fp32 — the oracle, any device. With
     `int8_activations`, x is first replaced by its int8 image (`activation_quant`): the oracle of the GEMV;
-  * `quant_linear_gemv`: the integer GEMV for few tokens (decode, speculative verify, batched decode: T ≤ 16),
+  * `quant_linear_gemv`: the integer GEMV for few tokens (decode, speculative verify, batched decode: T ≤ 64),
     which reads the packed planes once. x is quantized to int8 per 32 lanes (`activation_quant`, Q8_1-style as
     llama.cpp's integer matrix-vector products do) and y[t, n] = Σ_b scale_w[n, b] · scale_x[t, b] · D[t, n, b]
     with D the exact integer dot product of block b. Each program owns BLOCK_N rows and walks K in tiles of
@@ -19,7 +19,7 @@ Four paths (the second with two routes):
     sums are added in a fixed pairwise order, so a token's result is the same bits at any T (verify = decode).
     With `experts`, the kernel gathers: output row s uses the `expert_rows`-row block of expert `experts[s]` and
     input row `s // x_per_slot` (the MoE decode GEMV). From MMA_MIN_TOKENS tokens a whole matrix takes the
-    tensor-core route instead on NVIDIA sm_80+ (`_gemv_mma_kernel`): a program holds up to 16 tokens, unpacks its
+    tensor-core route instead on NVIDIA sm_80+ (`_gemv_mma_kernel`): a program holds 16 tokens, unpacks its
     weight tile once into int8 codes and gets every block's integer dot products for all its tokens from one
     batched int8 MMA (`tl.dot`, int32), then applies the same float steps in the same order — the same bits as
     the dp4a route;
@@ -53,7 +53,7 @@ try:  # Triton is optional: the CPU path never needs it
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
-MAX_GEMV_TOKENS = 16
+MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the per-token routes
 # tokens per GEMV program; more tokens take more programs over the same row tile, side by side, so that they read
 # its weights from L2. 1 on the H200: at 4, each thread's loads of x's records bound the kernel (L1 traffic 13×
 # the weight bytes; docs/performance.md)
@@ -327,10 +327,13 @@ if triton is not None:
         # `_gemv_kernel` — the same bits, with the weights read and unpacked once for all tokens
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # program_id(0) = row tile · token tiles + token tile: the token tiles of one row tile run side by side, so
+        # the ones after the first read its weights from L2
+        token_tiles = tl.cdiv(T, BLOCK_T)
+        rows = (tl.program_id(0) // token_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
-        tokens = tl.arange(0, BLOCK_T)
+        tokens = (tl.program_id(0) % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)  # padding tokens repeat the last one (not stored)
         block_index = x_rows[:, None] * x_block_count + tl.arange(0, BLOCKS)[None, :]  # [T, BLOCKS]
         # the records' code bytes (words 0-7 of each 48-byte record) as int8 [T, BLOCKS, 32]
@@ -508,7 +511,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         if experts is not None:
             raise ValueError("the tensor-core route takes whole matrices, not gathered experts")
         mma_n = 64 if INTERPRETED else MMA_BLOCK_N
-        _gemv_mma_kernel[(triton.cdiv(n, mma_n),)](
+        _gemv_mma_kernel[(triton.cdiv(n, mma_n) * triton.cdiv(tokens, MMA_TOKENS),)](
             acts.blocks, base, high, scales, out, tokens, n, k_pad, planes[0].row_bytes // 4,
             _high_row_units(codec, planes), gpr, acts.blocks.shape[1], out.stride(0), bias, BITS=codec.bits,
             GROUP=codec.group, BLOCK_N=mma_n, BLOCK_K=block_k, BLOCK_T=MMA_TOKENS, ASM=ASM, num_warps=4)
