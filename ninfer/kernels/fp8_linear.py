@@ -5,8 +5,9 @@ Contract: x `[T, K]` (fp32 / bf16 / fp16), `data` the object's bytes (1-D uint8 
 y[t, n] = scale[n] · Σ_k x[t, k] · e4m3(code[n, k]), accumulated in fp32.
 
 `fp8_linear_gemv` (T ≤ 16: decode, verify; with `experts`, the MoE gather of `quant_linear_gemv`): each program
-owns BLOCK_N rows of one token (grid: row tiles × tokens) and walks K in BLOCK_K-byte tiles,
-multiplying in fp32 and scaling the row sum — so a token's result is the same bits at any T. The E4M3 → fp32
+owns BLOCK_N rows of one token (the T programs of a row tile side by side, so that all but the first read its
+weights from L2) and walks K in BLOCK_K-byte tiles, multiplying in fp32 and scaling the row sum — so a token's
+result is the same bits at any T. The E4M3 → fp32
 step is integer ops on the code's bits (sign, exponent rebiased from 7 to 127, mantissa moved up; subnormals as
 m · 2⁻⁹), exact and the same on every GPU — no reliance on hardware FP8 conversion (sm_89+ only).
 `fp8_rows` / `fp8_block`: rows of W decoded in torch (embedding lookups; the prefill route's scratch).
@@ -43,13 +44,10 @@ if triton is not None:
         return tl.where(exponent == 0, subnormal, normal)
 
     @triton.jit
-    def _fp8_gemv_kernel(x_ptr, code_ptr, scale_ptr, out_ptr, expert_ptr, N, K, stride_x, stride_out,
+    def _fp8_gemv_kernel(x_ptr, code_ptr, scale_ptr, out_ptr, expert_ptr, N, K, T, stride_x, stride_out,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr):
-        rows, row_ok, _, wrows, x_base, out_base = gemv_rows(x_ptr, out_ptr, expert_ptr, N, stride_x, stride_out,
+        rows, row_ok, _, wrows, x_base, out_base = gemv_rows(x_ptr, out_ptr, expert_ptr, N, T, stride_x, stride_out,
                                                              BLOCK_N, GATHER, X_PER_SLOT)
-        if not GATHER:  # program_id(1): the token
-            x_base += tl.program_id(1).to(tl.int64) * stride_x
-            out_base += tl.program_id(1).to(tl.int64) * stride_out
         lanes = tl.arange(0, BLOCK_K)
         scale = tl.load(scale_ptr + wrows).to(tl.float32)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -82,8 +80,9 @@ def fp8_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int],
     slots = tokens if experts is None else experts.numel()
     out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=x.device)
     block_n = 256 if INTERPRETED else 8
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n), slots)](
-        x, codes, scales, out, experts if experts is not None else codes, n, k, x.stride(0), out.stride(0),
+    grid = (triton.cdiv(n, block_n), slots) if experts is not None else (triton.cdiv(n, block_n) * tokens, 1)
+    _fp8_gemv_kernel[grid](
+        x, codes, scales, out, experts if experts is not None else codes, n, k, tokens, x.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=512, GATHER=experts is not None, X_PER_SLOT=x_per_slot, num_warps=4)
     return out
 

@@ -117,12 +117,15 @@ if triton is not None:
         return words, high, scale
 
     @triton.jit
-    def gemv_rows(x_ptr, out_ptr, expert_ptr, N, stride_x, stride_out, BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
-                  X_PER_SLOT: tl.constexpr):
+    def gemv_rows(x_ptr, out_ptr, expert_ptr, N, T, stride_x, stride_out, BLOCK_N: tl.constexpr,
+                  GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr):
         """The output rows of a GEMV program and where they live: (rows, row_ok, safe_rows clamped into [0, N) for
-        unmasked, vectorisable loads — the store masks —, the weight rows (with GATHER, program_id(1) is an
-        output slot whose expert `expert_ptr[slot]` offsets them by expert · N), x's row and the output row)."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        unmasked, vectorisable loads — the store masks —, the weight rows, x's row and the output row). Without
+        GATHER, program_id(0) = row tile · T + token: the T programs of a row tile run side by side, so the ones
+        after the first read its weights from L2. With GATHER, program_id(0) is the row tile and program_id(1) an
+        output slot, whose expert `expert_ptr[slot]` offsets the weight rows by expert · N."""
+        tile = tl.program_id(0) if GATHER else tl.program_id(0) // T
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
         if GATHER:
@@ -131,9 +134,10 @@ if triton is not None:
             x_base = x_ptr + (slot // X_PER_SLOT) * stride_x
             out_base = out_ptr + slot * stride_out
         else:
+            token = (tl.program_id(0) % T).to(tl.int64)
             wrows = safe_rows
-            x_base = x_ptr
-            out_base = out_ptr
+            x_base = x_ptr + token * stride_x
+            out_base = out_ptr + token * stride_out
         return rows, row_ok, safe_rows, wrows, x_base, out_base
 
     @triton.jit
