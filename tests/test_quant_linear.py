@@ -186,6 +186,9 @@ def test_gemv_refuses_what_it_does_not_do():
     with pytest.raises(ValueError, match="whole matrices, not gathered experts"):
         quant_linear_gemv(torch.randn(1, 64, device=DEVICE), codec_for("q4_g64_fp16").encode(torch.randn(16, 64)).to(
             DEVICE), (16, 64), "q4_g64_fp16", experts=torch.tensor([1], device=DEVICE), expert_rows=8, mma=True)
+    with pytest.raises(ValueError, match="at least 16 rows"):
+        quant_linear_gemv(torch.randn(8, 64, device=DEVICE), data.to(DEVICE), (8, 64), "q4_g64_fp16", block_n=8,
+                          mma=True)
     with pytest.raises(ValueError, match="prefetch takes 1 or 2 tiles, not 3"):
         quant_linear_gemv(torch.randn(1, 64, device=DEVICE), data.to(DEVICE), (8, 64), "q4_g64_fp16", prefetch=3)
     with pytest.raises(ValueError, match="x has 32 features, the matrix 64"):

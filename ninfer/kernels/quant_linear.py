@@ -63,7 +63,8 @@ MAX_TOKEN_TILE = 1
 MMA_MIN_TOKENS = 6
 GEMV_PREFETCH = 1  # weight tiles the dp4a route loads ahead (2 is in the sweep: bytes in flight bound it)
 MMA_TOKENS = 16  # tokens per tensor-core program (the MMA's N; fewer tokens are padded)
-MMA_BLOCK_N = 32  # rows per tensor-core program
+MMA_BLOCK_N = 32  # rows per tensor-core program (at least 16: the MMA's M)
+MMA_WARPS = 4  # 214-228 registers, no spills at 32 rows (64 rows need 8 warps: `compile_kernels.py --resources`)
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -514,11 +515,14 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     if mma:
         if experts is not None:
             raise ValueError("the tensor-core route takes whole matrices, not gathered experts")
-        mma_n = 64 if INTERPRETED else MMA_BLOCK_N
+        mma_n = block_n or (64 if INTERPRETED else MMA_BLOCK_N)
+        if mma_n < 16:
+            raise ValueError(f"the tensor-core route takes tiles of at least 16 rows (the MMA's M), not {mma_n}")
         _gemv_mma_kernel[(triton.cdiv(n, mma_n) * triton.cdiv(tokens, MMA_TOKENS),)](
             acts.blocks, base, high, scales, out, tokens, n, k_pad, planes[0].row_bytes // 4,
             _high_row_units(codec, planes), gpr, acts.blocks.shape[1], out.stride(0), bias, BITS=codec.bits,
-            GROUP=codec.group, BLOCK_N=mma_n, BLOCK_K=block_k, BLOCK_T=MMA_TOKENS, ASM=ASM, num_warps=4)
+            GROUP=codec.group, BLOCK_N=mma_n, BLOCK_K=block_k, BLOCK_T=MMA_TOKENS, ASM=ASM,
+            num_warps=num_warps or MMA_WARPS)
         return out
     grid = (triton.cdiv(n, block_n) * token_tiles, slots if experts is not None else 1)
     _gemv_kernel[grid](

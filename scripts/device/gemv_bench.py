@@ -3,7 +3,8 @@ read, against the read bandwidth measured in the same run (a reduction over 1 Gi
 calls (as the runner replays decode steps: no host launch cost inside), each call on a different copy of the
 matrix (copies rotate over > 256 MiB), so the 50 MiB L2 never holds the weights; x is quantized once outside the
 timed calls, as the runner shares it between matrices.
-For whole matrices it then times the tensor-core route (`mma=True`) against the dp4a route at T = 4, 6, 8, 16.
+For whole matrices it then times the tensor-core route (`mma=True`, a few tiles) against the dp4a route at
+T = 4, 6, 8, 16, 32.
 Usage: python3 scripts/device/gemv_bench.py [--quick]"""
 
 import itertools
@@ -60,17 +61,23 @@ for name, n, k, fmt, gathered in SHAPES:
             print(f"{name:28s} T={tokens:2d} BN={block_n:3d} BK={block_k:4d} warps={warps} prefetch={prefetch}: "
                   f"{us:8.1f} us {fraction:5.0%} of the limit", flush=True)
     if not gathered:  # the tensor-core route against the best dp4a tile: where MMA_MIN_TOKENS should sit
-        for tokens in (4, 6, 8, 16):
+        for tokens in (4, 6, 8, 16, 32):
             acts = quantize_activations(torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16))
-            for mma in (False, True):
+            # the dp4a route's default tile, then tensor-core tiles (rows, warps); None = the defaults
+            for mma, block_n, warps in ((False, None, None), (True, None, None), (True, 16, 4), (True, 32, 8),
+                                        (True, 64, 8)):
                 rotation = itertools.cycle(copies)
 
-                def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, mma=mma):
-                    return quant_linear_gemv(acts, next(rotation), shape, fmt, out_dtype=torch.bfloat16, mma=mma)
+                def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, mma=mma, block_n=block_n,
+                         warps=warps):
+                    return quant_linear_gemv(acts, next(rotation), shape, fmt, out_dtype=torch.bfloat16, mma=mma,
+                                             block_n=block_n, num_warps=warps)
 
                 us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
-                print(f"{name:28s} T={tokens:2d} {'tensor-core route' if mma else 'dp4a route, default tile'}: "
-                      f"{us:8.1f} us {read / (us / 1e6) / bandwidth:5.0%} of the limit", flush=True)
+                route = f"tensor-core route BN={block_n or 'default'} warps={warps or 'default'}" if mma \
+                    else "dp4a route, default tile"
+                print(f"{name:28s} T={tokens:2d} {route}: {us:8.1f} us {read / (us / 1e6) / bandwidth:5.0%} of the "
+                      "limit", flush=True)
         ms = triton.testing.do_bench(lambda data=data, n=n, k=k, fmt=fmt: dequantize(data, (n, k), fmt))
         print(f"{name:28s} dequantize: {ms * 1e3:8.1f} us ({(read + n * k * 2) / (ms / 1e3) / bandwidth:.0%} of "
               f"the limit, reading packed + writing bf16)")
