@@ -502,9 +502,6 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     block_t = 1 if experts is not None else min(MAX_TOKEN_TILE, triton.next_power_of_2(tokens))
     token_tiles = 1 if experts is not None else triton.cdiv(tokens, block_t)
     block_k = block_k or gemv_block_k(k_pad)
-    # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
-    default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
-    block_n = block_n or default_n
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
     if prefetch not in (None, 1, 2):
@@ -524,6 +521,9 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
             GROUP=codec.group, BLOCK_N=mma_n, BLOCK_K=block_k, BLOCK_T=MMA_TOKENS, ASM=ASM,
             num_warps=num_warps or MMA_WARPS)
         return out
+    # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
+    default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
+    block_n = block_n or default_n
     grid = (triton.cdiv(n, block_n) * token_tiles, slots if experts is not None else 1)
     _gemv_kernel[grid](
         acts.blocks, base, high, scales, out, experts if experts is not None else base,
