@@ -118,6 +118,15 @@ if triton is not None:
         tl.store(record + 8, meta, mask=ok)
 
     @triton.jit
+    def store_tile_records(y, records_ptr, row, record_count, LANES: tl.constexpr):
+        """The records of y, lanes [program_id(1) · LANES, (program_id(1) + 1) · LANES) of row `row` (LANES a
+        multiple of 32), at `records_ptr` `[rows, record_count, 12]`: for the kernels that quantize the output
+        tile they have just made (`fused`, `gdn_decode`)."""
+        blocks = tl.program_id(1) * (LANES // 32) + tl.arange(0, LANES // 32)
+        store_records(tl.reshape(y.to(tl.float32), [LANES // 32, 32]), records_ptr + row * record_count * 12, blocks,
+                      record_count)
+
+    @triton.jit
     def _quantize_kernel(x_ptr, blocks_ptr, K, block_count, stride_x, BLOCKS: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 if triton is not None:
-    from ninfer.kernels.activation_quant import store_records
+    from ninfer.kernels.activation_quant import store_tile_records
 
 
 if triton is not None:
@@ -64,9 +64,7 @@ if triton is not None:
         y = (xf * rstd * (1.0 + tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32))).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_out + d, y, mask=ok)
         if QUANTIZE:  # the rounded output's int8 records, as `quantize_activations` would make them
-            blocks = tl.program_id(1) * (SLICE // 32) + tl.arange(0, SLICE // 32)
-            store_records(tl.reshape(y.to(tl.float32), [SLICE // 32, 32]), records_ptr + row * record_count * 12,
-                          blocks, record_count)
+            store_tile_records(y, records_ptr, row, record_count, SLICE)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE: tl.constexpr,
@@ -81,9 +79,7 @@ if triton is not None:
         y = (silu * up).to(gate.dtype)
         tl.store(out_ptr + row * width + cols, y, mask=ok)
         if QUANTIZE:  # this tile's whole 32-lane blocks (BLOCK is a multiple of 128): their int8 records
-            blocks = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-            store_records(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]), records_ptr + row * record_count * 12,
-                          blocks, record_count)
+            store_tile_records(y, records_ptr, row, record_count, BLOCK)
 
     @triton.jit
     def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, records_ptr, D, stride_x, stride_gate, record_count,
@@ -97,9 +93,7 @@ if triton is not None:
         y = (x * sig).to(x.dtype)
         tl.store(out_ptr + row * D + cols, y, mask=ok)
         if QUANTIZE:  # this tile's whole 32-lane blocks (BLOCK is a multiple of 128): their int8 records
-            blocks = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-            store_records(tl.reshape(y.to(tl.float32), [BLOCK // 32, 32]), records_ptr + row * record_count * 12,
-                          blocks, record_count)
+            store_tile_records(y, records_ptr, row, record_count, BLOCK)
 
 
     @triton.jit
@@ -165,9 +159,8 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
     # few rows (a decode step): each row over several programs of ELEMENTWISE_BLOCK lanes, each reducing the whole
     # row itself (one launch, no second pass); many rows (prefill): a program per row
     split = rows < NORM_SPLIT_ROWS and block > ELEMENTWISE_BLOCK
-    lanes = padded_lanes(width) if quantize else width
     slice_ = ELEMENTWISE_BLOCK if split else block
-    _add_rms_norm_kernel[(rows, triton.cdiv(lanes, slice_))](
+    _add_rms_norm_kernel[(rows, triton.cdiv(width, slice_))](  # slices are whole 128-lane units: padding covered
         x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
         h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
         HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
@@ -195,8 +188,7 @@ def sigmoid_mul(x: Tensor, gate: Tensor, quantize: bool = False) -> Tensor | Int
     rows, width = x.shape
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     records = empty_records(rows, width, out.device) if quantize else out
-    lanes = padded_lanes(width) if quantize else width
-    _sigmoid_mul_kernel[(rows, triton.cdiv(lanes, ELEMENTWISE_BLOCK))](
+    _sigmoid_mul_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
         x, gate, out, records, width, x.stride(0), gate.stride(0), records.shape[1] if quantize else 0,
         QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
     return Int8Activations(out, records) if quantize else out

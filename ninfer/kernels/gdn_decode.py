@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 if triton is not None:
-    from ninfer.kernels.activation_quant import store_records
+    from ninfer.kernels.activation_quant import store_tile_records
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
 CONV_BLOCK_C = 256  # channels per conv program
@@ -144,9 +144,7 @@ if triton is not None:
         y = (y * (z * tl.sigmoid(z))).to(dtype)
         tl.store(out_ptr + row * stride_out + lanes, y, mask=ok)
         if QUANTIZE:
-            blocks = tl.program_id(1) * (HEADS * BLOCK_V // 32) + tl.arange(0, HEADS * BLOCK_V // 32)
-            store_records(tl.reshape(y.to(tl.float32), [HEADS * BLOCK_V // 32, 32]),
-                          records_ptr + row * record_count * 12, blocks, record_count)
+            store_tile_records(y, records_ptr, row, record_count, HEADS * BLOCK_V)
 
 
 def _require_triton(name: str) -> None:

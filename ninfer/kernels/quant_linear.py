@@ -244,6 +244,17 @@ if triton is not None:
         return r
 
     @triton.jit
+    def _row_and_token_tiles(N, T, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+        """A GEMV program's rows and tokens: program_id(0) = row tile · token tiles + token tile, so the token tiles
+        of one row tile run side by side and the ones after the first read its weights from L2. Returns (rows,
+        row_ok, safe_rows clamped into [0, N) for unmasked, vectorisable loads, tokens)."""
+        token_tiles = tl.cdiv(T, BLOCK_T)
+        rows = (tl.program_id(0) // token_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        tokens = (tl.program_id(0) % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        return rows, rows < N, safe_rows, tokens
+
+    @triton.jit
     def _gemv_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
                      T, N, k_pad, row_words, high_row_units, gpr, x_block_count, stride_out, bias,
                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -251,13 +262,7 @@ if triton is not None:
                      PREFETCH: tl.constexpr):
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-        # program_id(0) = row tile · token tiles + token tile: the programs of one row tile run side by side, so
-        # the token tiles after the first read its weights from L2
-        token_tiles = tl.cdiv(T, BLOCK_T)
-        rows = (tl.program_id(0) // token_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
-        tokens = (tl.program_id(0) % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows, row_ok, safe_rows, tokens = _row_and_token_tiles(N, T, BLOCK_N, BLOCK_T)
         if GATHER:  # program_id(1): an output slot (T = 1); its expert's rows and its input row
             slot = tl.program_id(1)
             wrows = tl.load(expert_ptr + slot).to(tl.int64) * N + safe_rows
@@ -332,13 +337,7 @@ if triton is not None:
         # `_gemv_kernel` — the same bits, with the weights read and unpacked once for all tokens
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-        # program_id(0) = row tile · token tiles + token tile: the token tiles of one row tile run side by side, so
-        # the ones after the first read its weights from L2
-        token_tiles = tl.cdiv(T, BLOCK_T)
-        rows = (tl.program_id(0) // token_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
-        tokens = (tl.program_id(0) % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows, row_ok, safe_rows, tokens = _row_and_token_tiles(N, T, BLOCK_N, BLOCK_T)
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)  # padding tokens repeat the last one (not stored)
         block_index = x_rows[:, None] * x_block_count + tl.arange(0, BLOCKS)[None, :]  # [T, BLOCKS]
         # the records' code bytes (words 0-7 of each 48-byte record) as int8 [T, BLOCKS, 32]
