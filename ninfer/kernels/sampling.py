@@ -120,9 +120,13 @@ def next_token_probs(
         raise SamplingError(NOTHING_SAMPLABLE.format(penalised.numel()))
     if params.greedy:
         return torch.zeros_like(penalised).index_fill_(0, torch.argmax(penalised), 1.0)
+    return _tempered_probs(penalised, best, params)
+
+
+def _tempered_probs(penalised: Tensor, best: Tensor, params: SamplingParams) -> Tensor:
+    """Steps 3–4 and the softmax of step 5 for a non-greedy row whose largest penalised logit is `best`."""
     scaled = (penalised - best) / torch.full_like(penalised, params.temperature)  # tensor divisor: see above
-    kept = filter_logits(scaled, params.top_k, params.top_p, params.min_p)
-    return torch.softmax(kept, dim=-1)
+    return torch.softmax(filter_logits(scaled, params.top_k, params.top_p, params.min_p), dim=-1)
 
 
 def sample_next(
@@ -162,14 +166,13 @@ def sample_batch(logits: Tensor, params: Sequence[SamplingParams], generators: S
         except SamplingError as error:  # found on the host (a logit_bias id outside the vocabulary)
             picks.append(error)
             continue
-        broken = torch.isnan(row).any() | torch.isposinf(row).any()
+        broken = _broken(row)
         best = penalised.max()
         empty = best == -math.inf
         if row_params.greedy:
             token = torch.argmax(penalised)
         else:
-            scaled = (penalised - best) / torch.full_like(penalised, row_params.temperature)
-            probs = torch.softmax(filter_logits(scaled, row_params.top_k, row_params.top_p, row_params.min_p), dim=-1)
+            probs = _tempered_probs(penalised, best, row_params)
             harmless = torch.zeros_like(probs)
             harmless[0] = 1.0
             probs = torch.where(broken | empty, harmless, probs)
@@ -195,9 +198,14 @@ NOTHING_SAMPLABLE = "every one of the {} logits is -inf: no token can be sampled
 def _check_logits(logits: Tensor, read_back: bool = True) -> int:
     if logits.dim() != 1 or not logits.is_floating_point():
         raise SamplingError(f"the sampler needs one row of float logits [V], got {logits.dtype} {list(logits.shape)}")
-    if read_back and (torch.isnan(logits).any() or torch.isposinf(logits).any()):
+    if read_back and bool(_broken(logits)):
         raise SamplingError(BROKEN_LOGITS)
     return logits.shape[0]
+
+
+def _broken(logits: Tensor) -> Tensor:
+    """Whether a row holds NaN or +inf (a device bool: the model output is broken)."""
+    return torch.isnan(logits).any() | torch.isposinf(logits).any()
 
 
 def _token_ids(ids: Tensor | None, vocab: int, name: str, device: torch.device, checked: bool = True) -> Tensor:
