@@ -28,6 +28,7 @@ from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory, synchronize
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch, is_packed, shared_input
+from ninfer.kernels.activation_quant import Int8Activations
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
@@ -319,8 +320,13 @@ class FastQwen35:
         """x through the matrices `readers`: with `integer` (decode and verify steps) the integer GEMV over x's int8
         image, made once for all of them; else the exact route (packed weights decoded for cuBLAS: the prefill's
         numerics)."""
-        source = shared_input(x, readers) if integer else x
+        source = self._input(x, readers, integer)
         return [reader(source, out_dtype=out_dtype) for reader in readers]
+
+    @staticmethod
+    def _input(x: torch.Tensor, readers: list[PackedLinear], integer: bool) -> torch.Tensor | Int8Activations:
+        """x as the matrices `readers` take it: its int8 image, made once, in decode and verify steps (`integer`)."""
+        return shared_input(x, readers) if integer else x
 
     def _linear(self, reader: PackedLinear, x: torch.Tensor, integer: bool,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -332,10 +338,10 @@ class FastQwen35:
         the integer GEMV (at most MAX_GEMV_TOKENS rows)."""
         return integer and x.shape[0] <= MAX_GEMV_TOKENS
 
-    def _quantizes_for(self, reader: PackedLinear, x: torch.Tensor) -> bool:
-        """Whether a decode or verify step's kernel making x, the input of `reader` alone, should also make x's int8
-        records: when `reader` takes the integer GEMV."""
-        return reader.groupwise and self._quantizes(x, self.int8_activations)
+    def _quantizes_for(self, reader: PackedLinear, x: torch.Tensor, integer: bool) -> bool:
+        """Whether a kernel making x, the input of `reader` alone, should also make x's int8 records: when `reader`
+        takes the integer GEMV."""
+        return reader.groupwise and self._quantizes(x, integer)
 
     def _layers(self, x: torch.Tensor, attention, gdn, integer: bool) -> torch.Tensor:
         """The decoder layers and the final norm over embedded tokens x `[T, H]`; the residual adds are fused into
@@ -378,7 +384,8 @@ class FastQwen35:
         o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
                                    max_length=cache.max_pages * cache.page)
         output = self.linears[f"layers/{layer}/attention/output"]
-        gated = sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=self._quantizes_for(output, gate))
+        quantize = self._quantizes_for(output, gate, self.int8_activations)
+        gated = sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=quantize)
         return self._linear(output, gated, self.int8_activations)
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
@@ -391,7 +398,7 @@ class FastQwen35:
         key_columns = query_key.shape[0]
         # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view (no concatenation)
         projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
-        source = shared_input(h, [query_key, value_z, a_b]) if self.int8_activations else h
+        source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
         query_key(source, out=projected[:, :key_columns])
         value_z(source, out=projected[:, key_columns:])
         a_b = a_b(source)
@@ -401,7 +408,8 @@ class FastQwen35:
         o = gated_delta_decode(mixed, projected[:, key_columns + value_rows :], a_b, self.vectors[prefix + "a_log"],
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
-                               tokens=tokens, snapshot_slots=snapshots, quantize=self._quantizes_for(output, mixed))
+                               tokens=tokens, snapshot_slots=snapshots,
+                               quantize=self._quantizes_for(output, mixed, self.int8_activations))
         return self._linear(output, o, self.int8_activations)
 
     def _mlp(self, h: torch.Tensor, prefix: str, integer: bool) -> torch.Tensor:
@@ -410,16 +418,17 @@ class FastQwen35:
         c = self.config
         if not c.moe:
             gate_up = self._linear(self.linears[prefix + "mlp/gate_up"], h, integer)
-            return self._linear(self.linears[prefix + "mlp/down"], silu_mul(gate_up, self._quantizes(gate_up, integer)),
-                                integer)
+            down = self.linears[prefix + "mlp/down"]
+            return self._linear(down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer)), integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]
-        source = shared_input(h, [*readers, routed_gate_up]) if integer else h
+        source = self._input(h, [*readers, routed_gate_up], integer)
         logits, shared_gate_up = (reader(source) for reader in readers)
         weights, ids = route_top_k(logits, c.experts, c.top_k)
-        shared = self._linear(self.linears[prefix + "moe/shared_down"],
-                              silu_mul(shared_gate_up, self._quantizes(shared_gate_up, integer)), integer)
+        shared_down = self.linears[prefix + "moe/shared_down"]
+        shared = self._linear(shared_down, silu_mul(shared_gate_up, self._quantizes_for(shared_down, shared_gate_up,
+                                                                                        integer)), integer)
         if integer:
             flat = ids.reshape(-1)
             activation = silu_mul(routed_gate_up.gather(source, flat, 2 * c.expert_width, c.top_k),
