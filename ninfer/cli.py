@@ -178,14 +178,15 @@ def _add_runner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="bf16",
                         help="fast path KV cache precision (default bf16)")
     parser.add_argument("--prefill-chunk", type=_positive_int, default=None,
-                        help="prompt tokens per prefill step (default: 4096 for run and bench, 512 for serve, "
-                             "where shorter chunks let running streams go on between them)")
+                        help="prompt tokens per prefill chunk (default 4096). serve: per step while other streams "
+                             "decode (default 512, so they go on between chunks); a prompt with no stream to "
+                             "hold up goes in chunks of 4096 or this, whichever is larger")
 
 
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from ninfer.engine.llm import LLM
+    from ninfer.engine.llm import LLM, PREFILL_CHUNK
     from ninfer.eval.bench import format_report, report_json, run_bench
 
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -193,7 +194,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise NinferError(f"{args.model}: no such file")
     llm = LLM(args.model, device=args.device, dtype=dtype, runner=args.runner, kv_dtype=args.kv_dtype,
               max_sequences=max(args.batch_sizes), max_context=max(args.prompt_lengths) + args.new_tokens + 1,
-              prefill_chunk=args.prefill_chunk or 4096, progress=not args.json)
+              prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, progress=not args.json)
     lengths = [min(p, llm.max_context - args.new_tokens - 1) for p in args.prompt_lengths]
     if min(lengths) < 1:
         raise NinferError(f"--new-tokens {args.new_tokens} leaves no room for a prompt in {llm.max_context}")

@@ -82,8 +82,7 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=2048, help="length of the shared system prompt")
     parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8", "fp8"])
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, max_sequences=8, kv_dtype=args.kv_dtype,
-              prefill_chunk=SERVE_PREFILL_CHUNK)
+    llm = LLM(args.model, device=args.device, max_sequences=8, kv_dtype=args.kv_dtype)  # as `ninfer serve` loads it
     if llm.fast:  # as `ninfer serve` does before it listens
         print(f"warmed up in {llm.model.warm_up(8):.1f} s")
     engine = Engine(llm, max_concurrency=8, prefill_chunk=SERVE_PREFILL_CHUNK).start()

@@ -71,6 +71,43 @@ def test_requests_with_different_sampling_share_steps_and_keep_their_own_draws(l
     assert [r.token_ids for r in results] == expected
 
 
+def test_a_prompt_alone_is_prefilled_at_once_and_in_short_chunks_beside_a_stream(llm, monkeypatch):
+    """With no stream to hold up, a prompt goes to the model whole (TTFT at the model's prefill rate); while
+    another request decodes, it goes in chunks of at most `prefill_chunk` tokens between that request's steps.
+    Both requests still get their single-request output."""
+    prompts = [llm.tokenizer.encode(f"def long_function_number_{i}(alpha, beta, gamma, delta):\n    return " * 3)
+               for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    pieces: list[int] = []
+    forward = llm.model.forward
+
+    def recording(ids, state, *args, **kwargs):  # prefill pieces (the reference model decodes through it too)
+        if ids.numel() > 1:
+            pieces.append(ids.numel())
+        return forward(ids, state, *args, **kwargs)
+
+    monkeypatch.setattr(llm.model, "forward", recording)
+    engine = Engine(llm, max_concurrency=2, prefill_chunk=8).start()
+    try:
+        async def main():
+            first = engine.generate(Request(prompts[0], params, thinking=False))
+            await anext(first)  # the first request is decoding now
+            alone = list(pieces)
+            rest = asyncio.ensure_future(_collect(engine, Request(prompts[1], params, thinking=False)))
+            tokens = [event async for event in first]
+            return alone, tokens[-1].completion, await rest
+
+        alone, first, second = asyncio.run(main())
+    finally:
+        engine.close()
+        monkeypatch.undo()
+    assert alone == [len(prompts[0])] and len(prompts[1]) > 16 and len(prompts[1]) % 8 != 1
+    beside = pieces[1:]
+    assert sum(beside) == len(prompts[1]) and max(beside) == 8 and len(beside) == -(-len(prompts[1]) // 8)
+    assert first.token_ids == llm.generate(prompts[0], params).token_ids
+    assert second.token_ids == llm.generate(prompts[1], params).token_ids
+
+
 def test_a_request_whose_sampling_fails_fails_alone(llm):
     engine = Engine(llm, max_concurrency=2).start()
     broken = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={10**7: 1.0})  # an id past the vocabulary
@@ -162,10 +199,10 @@ def test_prefix_reuse_across_clients_and_turns_gives_identical_logits(llm):
     assert engine.stats()["prefix_hits"] == 2
     for ids, result in zip((second, third), results[1:], strict=True):
         assert result.token_ids == llm.generate(ids, GREEDY).token_ids
-        # logits after resuming from the snapshot equal those of a fresh prefill with the same chunk plan
+        # logits after resuming from the snapshot equal those of a fresh prefill with the same chunk plan (each
+        # request ran alone: chunks end at the turn boundaries only)
         boundary = result.cached_tokens
-        ends = sorted({i + 1 for i, t in enumerate(ids[:-1]) if t == im_end} | set(range(16, len(ids), 16))
-                      | {len(ids)})
+        ends = sorted({i + 1 for i, t in enumerate(ids[:-1]) if t == im_end} | {len(ids)})
         model = llm.model
         with torch.no_grad():
             fresh = model.new_state(len(ids))

@@ -30,10 +30,11 @@ def test_prefix_cache_spills_to_pinned_host_memory_and_restores_exactly():
 
 
 def test_concurrent_requests_on_cuda_equal_single_runs():
-    """8 concurrent requests (decode steps batched, prefill chunks interleaved) give each the tokens of its run
-    alone through the same engine: decode steps are batch-invariant bit for bit. (The reference for a request is
-    its own run with the same prefill chunks: chunking changes cuBLAS's shapes, so the prefill's rounding, and
-    an int8 code on a rounding boundary can then flip a near-tied greedy token.)"""
+    """8 concurrent requests (decode steps batched) give each the tokens of its run alone through the same engine:
+    decode steps are batch-invariant bit for bit. (The reference for a request is its own run with the same
+    prefill chunks: chunking changes cuBLAS's shapes, so the prefill's rounding, and an int8 code on a rounding
+    boundary can then flip a near-tied greedy token. The prompts are shorter than a chunk, so whether a prompt
+    is prefilled beside decoding streams does not change its chunks; the CPU tests cover interleaved chunks.)"""
     llm = LLM(device="cuda", dtype=torch.float32)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = [llm.tokenizer.encode(f"def handler_{i}(event):\n    ") for i in range(8)]
@@ -46,12 +47,12 @@ def test_concurrent_requests_on_cuda_equal_single_runs():
 
         return run
 
-    alone = Engine(llm, max_concurrency=1, prefill_chunk=4).start()
+    alone = Engine(llm, max_concurrency=1, prefill_chunk=64).start()
     try:
         expected = [_gather(collect(alone), [ids])[0] for ids in prompts]
     finally:
         alone.close()
-    engine = Engine(llm, max_concurrency=8, prefill_chunk=4).start()
+    engine = Engine(llm, max_concurrency=8, prefill_chunk=64).start()
     try:
         results = _gather(collect(engine), prompts)
     finally:

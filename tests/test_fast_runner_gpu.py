@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ninfer.artifact.reader import Artifact
-from ninfer.fast.runner import FastQwen35
+from ninfer.fast.runner import SHORT_PREFILL_TOKENS, FastQwen35
 from ninfer.model.qwen3_5 import Qwen35Model
 from tests.fast_support import int8_activations
 
@@ -49,17 +49,21 @@ def sliced(request, tmp_path_factory):
 
 
 def _prefill_then_decode(reference, fast, path, int8: bool):
-    """Two prompts prefilled one by one, then 4 batched decode steps; yields (step, row, got, expected) with the
-    reference's groupwise products seeing int8 activations where the fast path's do (`int8`)."""
+    """Two prompts prefilled one by one (300 tokens: the prefill route; 7: the short-prompt route), then 4 batched
+    decode steps; yields (step, row, got, expected) with the reference's groupwise products seeing int8
+    activations where the fast path's do (`int8`)."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 248_000, (n,), generator=generator) for n in (300, 7)]
     ref_states = [reference.new_state(512) for _ in prompts]
     fast_states = [fast.new_state(512) for _ in prompts]
-    with int8_activations(reference, path, head_only=True) if int8 else contextlib.nullcontext():
-        expected = [reference.forward(p.cuda(), s) for p, s in zip(prompts, ref_states, strict=True)]
+    expected = []
+    for p, s in zip(prompts, ref_states, strict=True):  # a short prompt takes the decode kernels: int8 throughout
+        with int8_activations(reference, path, head_only=len(p) > SHORT_PREFILL_TOKENS) if int8 \
+                else contextlib.nullcontext():
+            expected.append(reference.forward(p.cuda(), s))
     got = [fast.forward(p.cuda(), s) for p, s in zip(prompts, fast_states, strict=True)]
-    for row, (g, e) in enumerate(zip(got, expected, strict=True)):
-        yield "prefill", row, g, e
+    for row, (g, e, p) in enumerate(zip(got, expected, prompts, strict=True)):
+        yield "prefill" if len(p) > SHORT_PREFILL_TOKENS else "short prefill", row, g, e
     for step in range(4):
         tokens = torch.stack([e.argmax() for e in expected])
         with int8_activations(reference, path) if int8 else contextlib.nullcontext():
@@ -85,7 +89,7 @@ def test_real_shape_slice_integer_decode_against_the_int8_oracle(sliced):
     test above checks the MoE decode path; the gathering GEMV has its own tests at these shapes)."""
     reference, fast, _, path = sliced
     for step, row, got, expected in _prefill_then_decode(reference, fast, path, int8=True):
-        tolerance = FP32_TOLERANCE if step == "prefill" else DECODE_TOLERANCE
+        tolerance = FP32_TOLERANCE if step == "prefill" else DECODE_TOLERANCE  # the short prefill: integer GEMVs
         assert _relative(got, expected) < tolerance, f"step {step} sequence {row}"
 
 

@@ -12,7 +12,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
-from ninfer.kernels.attention import causal_attention
+from ninfer.kernels.attention import causal_attention, prefill_attention
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, gated_delta_rule_recurrent, l2_normalize
 from ninfer.kernels.moe import moe_mlp, route_top_k, swiglu_mlp
@@ -363,6 +363,16 @@ def test_causal_attention_matches_float64_with_gqa_and_offset():
     out = causal_attention(q, k, v, q_start=7, scale=16**-0.5)
     assert out.shape == (5, 6, 16) and rel_err(out, attention_float64(q, k, v, 7, 16**-0.5)) < FP32_REL
 
+
+@pytest.mark.parametrize("q_start", [0, 7])
+def test_prefill_attention_matches_float64_with_gqa_and_offset(q_start):
+    """The fast path's fused prefill attention (lower-right causal bias, no materialised mask): the masking of
+    `causal_attention`, against float64, with and without earlier keys."""
+    q, k, v = torch.randn(5, 6, 16), torch.randn(q_start + 5, 2, 16), torch.randn(q_start + 5, 2, 16)
+    out = prefill_attention(q, k, v, q_start=q_start, scale=16**-0.5)
+    assert out.shape == (5, 6, 16) and rel_err(out, attention_float64(q, k, v, q_start, 16**-0.5)) < FP32_REL
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill_attention(q, k[1:], v[1:], q_start=q_start, scale=1.0)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_attention_matches_transformers_eager(dtype):

@@ -59,6 +59,9 @@ class PromptTooLongError(NinferError):
     """The prompt (plus one generated token) does not fit in the context."""
 
 
+PREFILL_CHUNK = 4096  # prompt tokens per prefill chunk of the model (fast path: fewer cost more per token)
+
+
 @dataclass
 class Finished:
     """The last event of a stream."""
@@ -71,7 +74,7 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, runner: str = "auto", kv_dtype: str = "bf16",
-                 kv_capacity: int | None = None, max_sequences: int = 8, prefill_chunk: int = 4096,
+                 kv_capacity: int | None = None, max_sequences: int = 8, prefill_chunk: int = PREFILL_CHUNK,
                  progress: bool = False):
         """`runner`: "auto" (the fast path on CUDA when the model suits it), "fast" or "reference". The fast path's
         options: `kv_dtype` (bf16 / int8 / fp8), `kv_capacity` (KV tokens over all sequences; default: what the

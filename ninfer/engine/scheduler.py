@@ -6,19 +6,22 @@ interleaved with decode, prefix reuse, cancellation; consumed through an async g
         ...   # ReasoningDelta / ContentDelta / ToolCall as decided, then Finished(result)
 
 One worker thread owns the model. Each scheduler step gives every running sequence one unit of work: the next
-prefill chunk (at most `prefill_chunk` tokens, so a long prompt never stalls the running streams for long) or one
-decode step, each with its own sampling parameters. Admission is first come, first served: a request enters when a
-running slot is free and the context budget (`kv_capacity` tokens over all running sequences, prompt plus output
-budget reserved up front) has room for it; the queue holds at most `max_pending` requests (more: QueueFullError)
-and a request that waits longer than `queue_timeout` seconds gets QueueTimeoutError. Closing the generator (a
-client that disconnects) cancels the sequence and frees its memory at the next step.
+prefill chunk or one decode step, each with its own sampling parameters. While other sequences decode, a prefill
+chunk is at most `prefill_chunk` tokens, so a long prompt never stalls the running streams for long; with no stream
+to hold up, a prompt goes to the model up to its next turn boundary at once (the model splits it into its own,
+larger prefill chunks), so a request alone gets its first token at the model's full prefill rate. Admission is first
+come, first served: a request enters when a running slot is free and the context budget (`kv_capacity` tokens over
+all running sequences, prompt plus output budget reserved up front) has room for it; the queue holds at most
+`max_pending` requests (more: QueueFullError) and a request that waits longer than `queue_timeout` seconds gets
+QueueTimeoutError. Closing the generator (a client that disconnects) cancels the sequence and frees its memory at
+the next step.
 
 Prefix reuse (PrefixCache): the full sequence state (KV rows, GDN conv and recurrent state) is snapshotted at turn
 boundaries of a prompt (after each `<|im_end|>` and before the generation prompt) — the recurrent state cannot be
 cut back, so a prefix can only be reused where a snapshot was taken. A new request resumes from its longest cached
-boundary and prefills the rest; prefill chunks always break at boundaries, so a reused prefix gives bit-identical
-logits to a fresh prefill. Snapshots live in a bounded LRU pool (on the model's device, spilling to pinned host
-memory), and usage reports the reused tokens as cached.
+boundary and prefills the rest; prefill chunks always break at boundaries, so a reused prefix gives the logits of a
+fresh prefill chunked the same way. Snapshots live in a bounded LRU pool (on the model's device, spilling to pinned
+host memory), and usage reports the reused tokens as cached.
 """
 from __future__ import annotations
 
@@ -309,12 +312,14 @@ class Engine:
                         continue
                     running = list(self._running)
                 sampling = []
+                # a prompt is prefilled in short chunks only while some stream is decoding
+                shared = any(s.position >= len(s.request.prompt_ids) for s in running if not s.cancelled)
                 for sequence in running:
                     if sequence.cancelled:
                         self._release(sequence)
                         continue
                     try:
-                        if self._advance(sequence):
+                        if self._advance(sequence, shared):
                             sampling.append(sequence)
                     except Exception as exc:  # a failing request must not stop the engine
                         sequence.send(exc)
@@ -367,8 +372,7 @@ class Engine:
         sequence.output.completion.stats.queue_seconds = time.perf_counter() - sequence.enqueued
         # turn boundaries: right after each <|im_end|> (never the whole prompt: its last logits are needed)
         sequence.boundaries = {i + 1 for i, t in enumerate(ids[:-1]) if t in self._boundary_ids}
-        ends = set(sequence.boundaries) | set(range(self.prefill_chunk, len(ids), self.prefill_chunk)) | {len(ids)}
-        sequence.chunk_ends = sorted(ends)
+        sequence.chunk_ends = sorted(sequence.boundaries | {len(ids)})
         for boundary in sorted(sequence.boundaries, reverse=True):
             snapshot = self.cache.get(PrefixCache.key(ids[:boundary]))
             if snapshot is not None:
@@ -388,8 +392,9 @@ class Engine:
             sequence.finished = True
             self._wake.notify_all()
 
-    def _advance(self, sequence: _Sequence) -> bool:
-        """The sequence's next prefill chunk, if any; True when it has logits to sample from (taken for all such
+    def _advance(self, sequence: _Sequence, shared: bool) -> bool:
+        """The sequence's next prefill chunk, if any: up to its next turn boundary, at most `prefill_chunk` tokens
+        when the step is `shared` with decoding streams; True when it has logits to sample from (taken for all such
         sequences together by `_sample`)."""
         model = self.llm.model
         ids = sequence.request.prompt_ids
@@ -398,6 +403,8 @@ class Engine:
         if sequence.position >= len(ids):
             return True
         end = next(e for e in sequence.chunk_ends if e > sequence.position)
+        if shared:
+            end = min(end, sequence.position + self.prefill_chunk)
         chunk = torch.tensor(ids[sequence.position : end], device=self.llm.device)
         logits = model.forward(chunk, state)
         sequence.position = end

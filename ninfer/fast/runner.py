@@ -9,8 +9,11 @@ Same math and the same interface as the reference `Qwen35Model` (`new_state`, `f
     replayed;
   * prefill (`forward` with T > 1): in chunks of `prefill_chunk` tokens carrying KV, conv and recurrent state;
     matrices dequantized to a scratch buffer and multiplied by cuBLAS, routed experts in one grouped launch per
-    matrix, attention by SDPA over the sequence's pages, the delta rule by flash-linear-attention's chunked
-    kernel when installed (else the torch reference); only the last position goes through the head.
+    matrix, attention by fused SDPA over the sequence's pages, the delta rule by flash-linear-attention's chunked
+    kernel when installed (else the torch reference); only the last position goes through the head. A short
+    prompt piece (at most SHORT_PREFILL_TOKENS: a chat turn's tail, a generation prompt) instead takes one eager
+    pass of the decode kernels over its T tokens, as a verify step does: a few milliseconds where the prefill
+    route's hundreds of launches and host work take tens.
 docs/fast-path.md describes the whole path.
 """
 
@@ -29,6 +32,7 @@ from ninfer.devices import free_memory, synchronize
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch, is_packed, shared_input
 from ninfer.kernels.activation_quant import Int8Activations
+from ninfer.kernels.attention import prefill_attention
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
@@ -47,7 +51,12 @@ except ImportError:  # pragma: no cover - depends on the environment
 FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's matrices that read its input
-WARM_UP_LENGTHS = (16, 17, 18)  # prompt lengths of `warm_up`: every specialisation class of T and T · top_k
+# prompt pieces of up to this many tokens take the decode kernels (`_steps`) instead of the prefill route: the gated
+# delta step unrolls its T tokens (one compiled kernel per T, all made by `warm_up`)
+SHORT_PREFILL_TOKENS = 16
+# prefill-route prompt lengths of `warm_up`: every specialisation class of T and T · top_k (32: both divisible by 16;
+# 33: neither; 34: T · top_k only, for top_k 8)
+WARM_UP_LENGTHS = (32, 33, 34)
 MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the grouped MoE prefill
 
 
@@ -150,13 +159,17 @@ class FastQwen35:
     def warm_up(self, max_batch: int | None = None) -> float:
         """Compile the kernels and capture the decode graphs that serving meets, before the first request; returns
         the seconds it took. Triton compiles a kernel once per specialisation of its integer arguments (equal to 1,
-        divisible by 16, other), and flash-linear-attention autotunes on first use: prefills of 16, 17 and 18 tokens
-        meet every class of the token and (token, expert) pair counts, and one decode step per graph bucket up to
+        divisible by 16, other), and flash-linear-attention autotunes on first use: prefill-route prompts of 32, 33
+        and 34 tokens meet every class of the token and (token, expert) pair counts; a prompt of one whole
+        prefill chunk and 34 tokens more meets the full chunk and a chunk after earlier ones (on the H200 the first
+        such prompt took 11 s, the next 0.5 s, for 8,192 tokens of the 35B-A3B); short prompts of 2 …
+        SHORT_PREFILL_TOKENS tokens compile the gated delta step for each T; one decode step per graph bucket up to
         `max_batch` (default: every slot; at most the free slots) captures its graph. Without it the first requests
         of a server wait seconds for compilation."""
         started = time.perf_counter()
-        for length in WARM_UP_LENGTHS:
-            self.forward(torch.arange(1, length + 1, device=self.device), self.new_state(length))
+        long = min(self.prefill_chunk + WARM_UP_LENGTHS[-1], self.cache.max_pages * self.cache.page)
+        for length in (*WARM_UP_LENGTHS, long, *range(2, SHORT_PREFILL_TOKENS + 1)):
+            self.forward(torch.arange(1, length + 1, device=self.device) % self.config.vocab, self.new_state(length))
         limit = min(max_batch or self.max_batch, len(self.cache.free_slots))
         for bucket in (b for b in self.buckets if b <= limit):
             states = [self.new_state(2) for _ in range(bucket)]
@@ -213,6 +226,10 @@ class FastQwen35:
                              f"{state.capacity}")
         if ids.numel() == 1 and not all_logits:
             return self.decode_batch([state], ids)[0]
+        if ids.numel() <= SHORT_PREFILL_TOKENS and not all_logits:
+            h = self._steps([state], ids.view(1, -1), None)
+            last = h.rows(slice(-1, None)) if isinstance(h, Int8Activations) else h[-1:]
+            return self._linear(self.head, last, self.int8_activations, torch.float32)[0]
         outputs = [self._prefill_chunk(chunk, state, all_logits) for chunk in ids.split(self.prefill_chunk)]
         return torch.cat(outputs) if all_logits else outputs[-1]
 
@@ -256,11 +273,20 @@ class FastQwen35:
                 raise ValueError("accept the previous verify step before the next one")
             if state.length + tokens > state.capacity:
                 raise ValueError(f"sequence of {state.length + tokens} tokens exceeds its capacity of {state.capacity}")
+        snapshots = torch.tensor([[self.cache.verify_slot(s.slot, t) for t in range(tokens)] for s in states],
+                                 dtype=torch.int32, device=self.device)
+        h = self._steps(states, ids, snapshots)
+        for state in states:
+            state.pending = tokens
+        return self._linear(self.head, h, self.int8_activations, torch.float32).view(batch, tokens, -1)
+
+    def _steps(self, states: Sequence[SlotState], ids: torch.Tensor, snapshots: torch.Tensor | None) -> torch.Tensor:
+        """T tokens `ids` `[B, T]` appended to each of B sequences in one eager pass of the decode kernels (GEMVs,
+        paged attention over each row's own length, the GDN steps, with `snapshots` `[B, T]` the state after every
+        token kept there); returns the final hidden rows `[B·T, H]`, sequence-major."""
+        tokens = ids.shape[1]
         device = self.device
-        slot_list = [s.slot for s in states]
-        slots = torch.tensor(slot_list, dtype=torch.int32, device=device)
-        snapshots = torch.tensor([[self.cache.verify_slot(s, t) for t in range(tokens)] for s in slot_list],
-                                 dtype=torch.int32, device=device)
+        slots = torch.tensor([s.slot for s in states], dtype=torch.int32, device=device)
         positions = torch.tensor([s.length + t for s in states for t in range(tokens)], dtype=torch.int32,
                                  device=device)
         lengths = positions + 1
@@ -270,8 +296,7 @@ class FastQwen35:
                          lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), self.int8_activations)
         for state in states:
             state.length += tokens
-            state.pending = tokens
-        return self._linear(self.head, h, self.int8_activations, torch.float32).view(batch, tokens, -1)
+        return h
 
     def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
         """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step: its length drops to
@@ -486,14 +511,7 @@ class FastQwen35:
         q, gate, _ = self._attention_inputs(h, layer, positions, tables, integer=False)
         start = state.length
         keys, values = cache.dense_kv(layer, state, start + tokens, q.dtype)
-        mask = None
-        if start:  # query t (position start + t) sees keys 0 … start + t
-            key_pos = torch.arange(start + tokens, device=self.device)
-            mask = key_pos[None, :] <= positions[:, None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                           values.transpose(0, 1)[None], attn_mask=mask, is_causal=not start,
-                                           scale=c.head_dim**-0.5, enable_gqa=True)
-        o = o[0].transpose(0, 1).reshape(tokens, -1)
+        o = prefill_attention(q, keys, values, start, c.head_dim**-0.5).reshape(tokens, -1)
         return self.linears[f"layers/{layer}/attention/output"](sigmoid_mul(o, gate))
 
     def _gdn_prefill(self, h: torch.Tensor, layer: int, state: SlotState) -> torch.Tensor:

@@ -51,6 +51,10 @@ class Int8Activations(NamedTuple):
     def sums(self) -> torch.Tensor:
         return self.blocks[..., 9]
 
+    def rows(self, index: slice) -> Int8Activations:
+        """The inputs of rows `index` (views: records of whole rows stay contiguous)."""
+        return Int8Activations(self.source[index], self.blocks[index])
+
 
 def padded_lanes(k: int) -> int:
     return -(-k // LANE_PAD) * LANE_PAD

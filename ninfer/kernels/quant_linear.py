@@ -59,8 +59,9 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 # the weight bytes; docs/performance.md)
 MAX_TOKEN_TILE = 1
 # from this many tokens a whole matrix takes the tensor-core route (`_gemv_mma_kernel`: the same bits, the weights
-# unpacked once for all tokens instead of once per token); a prediction from instruction counts, not yet measured
-MMA_MIN_TOKENS = 6
+# unpacked once for all tokens instead of once per token). Measured on the H200 (docs/performance.md): slower than
+# dp4a at 4-8 tokens on every 27B matrix (27B gate_up at 8 tokens 209 vs 146 us), 1.1-2.2x faster from 16
+MMA_MIN_TOKENS = 16
 GEMV_PREFETCH = 1  # weight tiles the dp4a route loads ahead (2 is in the sweep: bytes in flight bound it)
 MMA_TOKENS = 16  # tokens per tensor-core program (the MMA's N; fewer tokens are padded)
 MMA_BLOCK_N = 32  # rows per tensor-core program (at least 16: the MMA's M)

@@ -20,7 +20,7 @@ SHUTDOWN_GRACE_SECONDS = 10
 log = logging.getLogger("ninfer.serve")
 
 
-SERVE_PREFILL_CHUNK = 512  # prompt tokens per engine step: running streams continue between chunks
+SERVE_PREFILL_CHUNK = 512  # prompt tokens per engine step while other streams decode: they go on between chunks
 
 
 def model_id_of(path: Path) -> str:
@@ -52,7 +52,7 @@ def serve_command(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from ninfer.engine.llm import DEFAULT_ARTIFACT, LLM
+    from ninfer.engine.llm import DEFAULT_ARTIFACT, LLM, PREFILL_CHUNK
     from ninfer.engine.scheduler import Engine
     from ninfer.serve.app import ServeConfig, create_app
 
@@ -66,7 +66,7 @@ def serve_command(args: argparse.Namespace) -> int:
         llm = LLM(path, device=args.device, dtype=dtype, max_context=args.max_context, runner=args.runner,
                   kv_dtype=args.kv_dtype, max_sequences=args.max_concurrency,
                   kv_capacity=args.kv_capacity if isinstance(args.kv_capacity, int) else None,
-                  prefill_chunk=args.prefill_chunk or SERVE_PREFILL_CHUNK)
+                  prefill_chunk=max(args.prefill_chunk or 0, PREFILL_CHUNK))
         kv_capacity = (Engine.plan_kv_capacity(llm, args.max_concurrency) if args.kv_capacity == "auto"
                        else args.kv_capacity)
         engine = Engine(llm, max_concurrency=args.max_concurrency, max_pending=args.max_pending,
