@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from ninfer.artifact.reader import Artifact
 from ninfer.fast import runner
 from ninfer.fast.cache import CacheFullError, MemoryPlanError, plan_memory
-from ninfer.fast.runner import SHORT_PREFILL_TOKENS, FastQwen35
+from ninfer.fast.runner import FastQwen35
 from ninfer.model.config import TextConfig
 from ninfer.model.qwen3_5 import Qwen35Model
 from tests.fast_support import int8_activations
@@ -31,6 +31,7 @@ QUANTIZED_KV_TOLERANCE = {"int8": 0.03, "fp8": 0.1}  # KV rounding, relative to 
 # decode steps against the int8 oracle: equal up to fp32 rounding, unless a code sits on a rounding boundary and the
 # two paths' rounding-level differences flip it (seen under triton 3.9's interpreter), which moves the logits ~1 %
 DECODE_TOLERANCE = 0.02
+SHORT = 16  # the short-prompt route's limit on CUDA; the interpreter's default is 0 (tests set it where they need it)
 PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3, 8, 12, 13, 40, 41, 42, 43, 44, 45, 46, 47, 48, 200, 201, 202, 60, 61, 62,
           63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76]
 
@@ -67,10 +68,11 @@ def dense():
     return _models(DENSE, max_sequences=3, prefill_chunk=20)
 
 
-def test_chunked_prefill_and_batched_decode_equal_the_reference(dense):
+def test_chunked_prefill_and_batched_decode_equal_the_reference(dense, monkeypatch):
     """40 tokens: two chunks of 20 through the prefill route (cuBLAS, its head the integer GEMV); 3 tokens: the
     short-prompt route (one pass of the decode kernels, int8 activations in every product); then batched decode."""
     reference, fast = dense
+    monkeypatch.setattr(runner, "SHORT_PREFILL_TOKENS", SHORT)
     prompts = [torch.tensor(PROMPT), torch.tensor([9, 8, 7])]
     ref_states = [reference.new_state(64) for _ in prompts]
     fast_states = [fast.new_state(64) for _ in prompts]
@@ -92,10 +94,11 @@ def test_chunked_prefill_and_batched_decode_equal_the_reference(dense):
 
 
 @pytest.mark.parametrize("path, heads", [(DENSE, (PROMPT[:20], [])), (MOE, ([],))])
-def test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one(path, heads):
+def test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one(path, heads, monkeypatch):
     """A prompt piece of at most SHORT_PREFILL_TOKENS takes one pass of the decode kernels over its T tokens: the
     logits and the state it leaves are those of T single-token decode steps, bit for bit (the same kernels, which
     do not depend on the row count), after a prefill-route chunk and from an empty state alike."""
+    monkeypatch.setattr(runner, "SHORT_PREFILL_TOKENS", SHORT)
     _, fast = _models(path, max_sequences=2, prefill_chunk=20)
     for head in heads:
         short, stepped = fast.new_state(64), fast.new_state(64)
@@ -103,7 +106,7 @@ def test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one(path, h
             fast.forward(torch.tensor(head), short)
             fast.forward(torch.tensor(head), stepped)
         piece = torch.tensor(PROMPT[20:25])
-        assert 1 < len(piece) <= SHORT_PREFILL_TOKENS
+        assert 1 < len(piece) <= SHORT
         got = fast.forward(piece, short)
         for token in piece:
             expected = fast.decode_batch([stepped], token[None])[0]

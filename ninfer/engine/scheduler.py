@@ -394,8 +394,9 @@ class Engine:
 
     def _advance(self, sequence: _Sequence, shared: bool) -> bool:
         """The sequence's next prefill chunk, if any: up to its next turn boundary, at most `prefill_chunk` tokens
-        when the step is `shared` with decoding streams; True when it has logits to sample from (taken for all such
-        sequences together by `_sample`)."""
+        when the step is `shared` with decoding streams; True when it has logits to sample from — after a decode
+        step, or after the prompt's last chunk in this very step (taken for all such sequences together by
+        `_sample`)."""
         model = self.llm.model
         ids = sequence.request.prompt_ids
         state = sequence.state
@@ -417,6 +418,7 @@ class Engine:
             synchronize(self.llm.device)
             sequence.output.completion.stats.prefill_seconds = time.perf_counter() - sequence.prefill_started
             sequence.decode_started = time.perf_counter()
+            return True
         return False
 
     def _sample(self, sequences: list[_Sequence]) -> list[_Sequence]:
