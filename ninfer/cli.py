@@ -178,9 +178,9 @@ def _add_runner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="bf16",
                         help="fast path KV cache precision (default bf16)")
     parser.add_argument("--prefill-chunk", type=_positive_int, default=None,
-                        help="prompt tokens per prefill chunk (default 4096). serve: per step while other streams "
-                             "decode (default 512, so they go on between chunks); a prompt with no stream to "
-                             "hold up goes in chunks of 4096 or this, whichever is larger")
+                        help="prompt tokens per prefill chunk (default 4096; the memory plan reserves room for one). "
+                             "serve: the default is 4096 for a prompt with no stream to hold up and 512 per step "
+                             "while other streams decode (they go on between chunks); a value given is both")
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -66,7 +66,7 @@ def serve_command(args: argparse.Namespace) -> int:
         llm = LLM(path, device=args.device, dtype=dtype, max_context=args.max_context, runner=args.runner,
                   kv_dtype=args.kv_dtype, max_sequences=args.max_concurrency,
                   kv_capacity=args.kv_capacity if isinstance(args.kv_capacity, int) else None,
-                  prefill_chunk=max(args.prefill_chunk or 0, PREFILL_CHUNK))
+                  prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
         kv_capacity = (Engine.plan_kv_capacity(llm, args.max_concurrency) if args.kv_capacity == "auto"
                        else args.kv_capacity)
         engine = Engine(llm, max_concurrency=args.max_concurrency, max_pending=args.max_pending,
