@@ -161,7 +161,6 @@ class _Sequence:
         self.state: Any = None  # the model's sequence state (SequenceState or the fast path's SlotState)
         self.output: OutputPipeline | None = None
         self.position = 0  # prompt tokens in the state
-        self.chunk_ends: list[int] = []
         self.boundaries: set[int] = set()
         self.logits: torch.Tensor | None = None
         self.reserved = 0
@@ -372,7 +371,6 @@ class Engine:
         sequence.output.completion.stats.queue_seconds = time.perf_counter() - sequence.enqueued
         # turn boundaries: right after each <|im_end|> (never the whole prompt: its last logits are needed)
         sequence.boundaries = {i + 1 for i, t in enumerate(ids[:-1]) if t in self._boundary_ids}
-        sequence.chunk_ends = sorted(sequence.boundaries | {len(ids)})
         for boundary in sorted(sequence.boundaries, reverse=True):
             snapshot = self.cache.get(PrefixCache.key(ids[:boundary]))
             if snapshot is not None:
@@ -403,7 +401,7 @@ class Engine:
         assert state is not None and sequence.output is not None
         if sequence.position >= len(ids):
             return True
-        end = next(e for e in sequence.chunk_ends if e > sequence.position)
+        end = min((b for b in sequence.boundaries if b > sequence.position), default=len(ids))
         if shared:
             end = min(end, sequence.position + self.prefill_chunk)
         chunk = torch.tensor(ids[sequence.position : end], device=self.llm.device)

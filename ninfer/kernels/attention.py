@@ -10,6 +10,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 
+def _shapes(name: str, q: Tensor, k: Tensor, v: Tensor, q_start: int) -> tuple[int, int, int, int]:
+    """(T, nh, S, kvh) of q `[T, nh, hd]` and k, v `[S, kvh, hd]`, checked: S = q_start + T, nh a multiple of
+    kvh."""
+    T, nh, hd = q.shape
+    S, kvh, _ = k.shape
+    if q_start + T != S or v.shape[:2] != (S, kvh) or nh % kvh or k.shape[-1] != hd:
+        raise ValueError(f"{name}: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit "
+                         f"q_start={q_start}")
+    return T, nh, S, kvh
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float) -> Tensor:
     """Softmax attention where query t (absolute position q_start + t) sees keys 0 … q_start + t.
 
@@ -21,12 +32,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float
     Shapes: q `[T, nh, hd]`; k, v `[S, kvh, hd]` with S = q_start + T (the whole cache including the T new
     tokens), same dtype as q; nh a multiple of kvh. Returns `[T, nh, hd]` in q's dtype.
     """
-    T, nh, hd = q.shape
-    S, kvh, _ = k.shape
-    if q_start + T != S or v.shape[:2] != (S, kvh) or nh % kvh or k.shape[-1] != hd:
-        raise ValueError(
-            f"causal_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit q_start={q_start}"
-        )
+    _, nh, S, kvh = _shapes("causal_attention", q, k, v, q_start)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"causal_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     group = nh // kvh
@@ -51,12 +57,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: floa
     repeated to the query heads, and the mask is the lower-right causal bias (query t sees keys ≤ q_start + t),
     which the flash and memory-efficient kernels apply without a materialised mask. Softmax in fp32 inside the
     kernel, so the result matches `causal_attention` to rounding, not bit for bit."""
-    T, nh, hd = q.shape
-    S, kvh, _ = k.shape
-    if q_start + T != S or v.shape[:2] != (S, kvh) or nh % kvh or k.shape[-1] != hd:
-        raise ValueError(
-            f"prefill_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit q_start={q_start}"
-        )
+    T, nh, S, kvh = _shapes("prefill_attention", q, k, v, q_start)
     group = nh // kvh
     keys = k.repeat_interleave(group, dim=1).transpose(0, 1)[None]  # [1, nh, S, hd]
     values = v.repeat_interleave(group, dim=1).transpose(0, 1)[None]
