@@ -87,10 +87,10 @@ def _record_all() -> None:
     x = torch.randn(1, 512, dtype=torch.bfloat16)
     for fmt in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"):
         data = codec_for(fmt).encode(torch.randn(64, 512))
-        for tokens, mma in ((1, False), (8, True)):  # the integer GEMV, then its tensor-core route
-            quant_linear.quant_linear_gemv(x.repeat(tokens, 1), data, (64, 512), fmt, out_dtype=torch.bfloat16,
-                                           mma=mma)
-        quant_linear.quant_linear_gemv(x, data, (64, 512), fmt, out_dtype=torch.bfloat16, prefetch=2)
+        wide = codec_for(fmt).encode(torch.randn(64, 2048))
+        for tokens in (1, 8):  # the batch route at K = 2048 (K tiles of 1,024 lanes), one and several tokens
+            quant_linear.quant_linear_gemv(torch.randn(tokens, 2048), wide, (64, 2048), fmt, out_dtype=torch.bfloat16)
+        quant_linear.quant_linear_gemv(x, data, (64, 512), fmt, out_dtype=torch.bfloat16)  # the token route
         quant_linear.dequantize(data, (64, 512), fmt, rows=torch.arange(4, dtype=torch.int32))
     data = codec_for("q5_g64_fp16").encode(torch.randn(4 * 64, 512))
     quant_linear.quant_linear_gemv(x, data, (256, 512), "q5_g64_fp16", experts=torch.tensor([1, 3], dtype=torch.int32),

@@ -109,8 +109,7 @@ def test_gemv_reads_nothing_outside_its_inputs(fmt, n, k):
     acts = quantize_activations(x)
     fenced = Int8Activations(acts.source, _fenced(acts.blocks, 0xFF))
     experts = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=DEVICE)
-    for kwargs in ({}, dict(prefetch=2), dict(mma=True), dict(experts=experts, expert_rows=n, x_per_slot=2),
-                   dict(experts=experts, expert_rows=n, x_per_slot=2, prefetch=2)):
+    for kwargs in ({}, dict(route="batch"), dict(experts=experts, expert_rows=n, x_per_slot=2)):
         shape = (3 * n, k)
         expected = quant_linear_gemv(acts, data, shape, fmt, **kwargs)
         got = quant_linear_gemv(fenced, _fenced(data, 0xFF), shape, fmt, **kwargs)
@@ -118,29 +117,31 @@ def test_gemv_reads_nothing_outside_its_inputs(fmt, n, k):
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"])
-def test_gemv_gives_a_token_the_same_bits_at_any_token_count(fmt):
+@pytest.mark.parametrize("k", [1024, 2048, 640])
+def test_gemv_gives_a_token_the_same_bits_at_any_token_count(fmt, k):
     """Speculative verify (T tokens) must not change greedy decoding (T = 1): every row of a T-token product is
-    the single-token product's bits, whatever the row tile."""
-    n, k = 50, 1024
+    the single-token product's bits, whatever the row tile or the batch route's tokens per program (K = 640 takes
+    the token route)."""
+    n = 50
     data, generator = _matrix(fmt, n, k, 5)
     x = torch.randn(11, k, generator=generator).to(DEVICE)
     single = torch.cat([quant_linear_gemv(x[t : t + 1], data, (n, k), fmt) for t in range(11)])
-    for tokens, block_n in ((11, None), (4, 8), (2, 32)):
-        got = quant_linear_gemv(x[:tokens], data, (n, k), fmt, block_n=block_n)
+    for tokens, block_n, block_t in ((11, None, None), (4, 16, 2), (2, 32, None), (11, 64, 4)):
+        got = quant_linear_gemv(x[:tokens], data, (n, k), fmt, block_n=block_n, block_t=block_t)
         assert torch.equal(got, single[:tokens]), f"T={tokens}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("tokens", "n", "k"), [(2, 40, 130), (7, 33, 1024), (16, 70, 640), (37, 20, 256)])
-def test_tensor_core_route_gives_the_integer_gemvs_bits(fmt, tokens, n, k):
-    """The int8-MMA route (many tokens) and the dp4a route (one token per program) compute the same exact integer
-    block sums and then the same float steps: equal bits, so the route never changes a token's result; nor does
-    the dp4a route's prefetch depth."""
+def test_both_routes_give_the_same_bits_at_the_same_k_tile(fmt, tokens, n, k):
+    """The token route (one token per program) and the batch route (weights unpacked once for a tile of tokens)
+    compute the same exact integer block sums and then the same float steps: at the same K tile their bits are
+    equal."""
     data, generator = _matrix(fmt, n, k, tokens * k)
     acts = quantize_activations(torch.randn(tokens, k, generator=generator).to(DEVICE))
-    expected = quant_linear_gemv(acts, data, (n, k), fmt, mma=False)
-    assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, mma=True), expected)
-    assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, mma=False, prefetch=2), expected)  # loads only
+    block_k = 128 if k == 640 else 256
+    expected = quant_linear_gemv(acts, data, (n, k), fmt, route="token", block_k=block_k)
+    assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, route="batch", block_k=block_k), expected)
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])
@@ -183,14 +184,11 @@ def test_gemv_refuses_what_it_does_not_do():
         quant_linear_gemv(torch.randn(65, 64), data, (8, 64), "q4_g64_fp16")
     with pytest.raises(ValueError, match="not a groupwise format"):
         quant_linear_gemv(torch.randn(1, 64), codec_for("bf16").encode(torch.randn(8, 64)), (8, 64), "bf16")
-    with pytest.raises(ValueError, match="whole matrices, not gathered experts"):
+    with pytest.raises(ValueError, match="the batch route takes whole matrices, not gathered experts"):
         quant_linear_gemv(torch.randn(1, 64, device=DEVICE), codec_for("q4_g64_fp16").encode(torch.randn(16, 64)).to(
-            DEVICE), (16, 64), "q4_g64_fp16", experts=torch.tensor([1], device=DEVICE), expert_rows=8, mma=True)
-    with pytest.raises(ValueError, match="at least 16 rows"):
-        quant_linear_gemv(torch.randn(8, 64, device=DEVICE), data.to(DEVICE), (8, 64), "q4_g64_fp16", block_n=8,
-                          mma=True)
-    with pytest.raises(ValueError, match="prefetch takes 1 or 2 tiles, not 3"):
-        quant_linear_gemv(torch.randn(1, 64, device=DEVICE), data.to(DEVICE), (8, 64), "q4_g64_fp16", prefetch=3)
+            DEVICE), (16, 64), "q4_g64_fp16", experts=torch.tensor([1], device=DEVICE), expert_rows=8, route="batch")
+    with pytest.raises(ValueError, match="unknown GEMV route 'fast'"):
+        quant_linear_gemv(torch.randn(1, 64, device=DEVICE), data.to(DEVICE), (8, 64), "q4_g64_fp16", route="fast")
     with pytest.raises(ValueError, match="x has 32 features, the matrix 64"):
         quant_linear_gemv(torch.randn(1, 32), data, (8, 64), "q4_g64_fp16")
 

@@ -3,26 +3,29 @@
 Contract: x `[T, K]` (fp32 / bf16 / fp16), `data` the object's bytes (1-D uint8, on x's device), `shape` = (N, K)
 of W, `fmt` its format, W[n, k] = scale[n, k // G] · code[n, k].
 
-Four paths (the second with two routes):
+Four paths:
   * `quant_linear_reference`: decode W exactly (ninfer.quant) and multiply in fp32 — the oracle, any device. With
     `int8_activations`, x is first replaced by its int8 image (`activation_quant`): the oracle of the GEMV;
   * `quant_linear_gemv`: the integer GEMV for few tokens (decode, speculative verify, batched decode: T ≤ 64),
     which reads the packed planes once. x is quantized to int8 per 32 lanes (`activation_quant`, Q8_1-style as
     llama.cpp's integer matrix-vector products do) and y[t, n] = Σ_b scale_w[n, b] · scale_x[t, b] · D[t, n, b]
-    with D the exact integer dot product of block b. Each program owns BLOCK_N rows and walks K in tiles of
-    BLOCK_K lanes: the base plane is loaded as 32-bit words (8 lanes of nibbles, or 4 int8 lanes for q8) with the
-    high units of the same lanes (q5: a byte, q6: 16 bits per word) and the scales; a word's even and odd
-    nibbles, masked in place (plus the high bits, moved by a multiply), are byte quads that meet the activation
-    quads in one `dp4a` each — about 5 integer instructions per 8 weights for q4, against ~50 for a float
-    conversion of every lane, which bound the earlier kernel (docs/performance.md). Unsigned codes carry an offset
-    (8, 16, 32), removed per block with the activation sums. The K tile depends on the matrix only and the block
-    sums are added in a fixed pairwise order, so a token's result is the same bits at any T (verify = decode).
-    With `experts`, the kernel gathers: output row s uses the `expert_rows`-row block of expert `experts[s]` and
-    input row `s // x_per_slot` (the MoE decode GEMV). From MMA_MIN_TOKENS tokens a whole matrix takes the
-    tensor-core route instead on NVIDIA sm_80+ (`_gemv_mma_kernel`): a program holds 16 tokens, unpacks its
-    weight tile once into int8 codes and gets every block's integer dot products for all its tokens from one
-    batched int8 MMA (`tl.dot`, int32), then applies the same float steps in the same order — the same bits as
-    the dp4a route;
+    with D the exact integer dot product of block b. A program owns a few rows and walks K in tiles of BLOCK_K
+    lanes: the base plane is loaded as 32-bit words (8 lanes of nibbles, or 4 int8 lanes for q8) with the high
+    units of the same lanes (q5: a byte, q6: 16 bits per word) and the scales; a word's even and odd nibbles,
+    masked in place (plus the high bits, moved by a multiply), are byte quads that meet the activation quads in
+    one `dp4a` each — about 5 integer instructions per 8 weights for q4, against ~50 for a float conversion of
+    every lane, which bound the earlier kernel (docs/performance.md). Unsigned codes carry an offset (8, 16, 32),
+    removed per block with the activation sums. Two routes:
+      - "batch" (whole matrices whose padded K is a multiple of BATCH_BLOCK_K): a program holds up to 8 tokens;
+        each lane of its warp owns one 32-lane block of the 1,024-lane tile for all the program's rows and
+        tokens, so a weight tile is loaded and unpacked once for all tokens and an x record once for all rows,
+        with no data exchanged between lanes until the final sum (T tokens cost about 2× one token at T = 8,
+        not T×);
+      - "token" (gathered experts and other K): one token per program, the programs of a row tile side by side
+        (the later ones read its weights from L2). With `experts` it gathers: output row s uses the
+        `expert_rows`-row block of expert `experts[s]` and input row `s // x_per_slot` (the MoE decode GEMV).
+    Both keep a sum per block position of the K tile, added in a fixed pairwise order at the end; the tile depends
+    on the matrix only, so a token's result is the same bits at any T (verify = decode) and on either route;
   * `quant_linear_grouped`: tiles of (token, expert) pairs that share an expert (`group_pairs` plans the tiles on
     the device) through `tl.dot` with bf16 weights (the codes decoded exactly, scaled, rounded to x's dtype) and
     fp32 accumulation, for MoE prefill: one launch per matrix for all experts;
@@ -33,7 +36,6 @@ Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -54,18 +56,11 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the per-token routes
-# tokens per GEMV program; more tokens take more programs over the same row tile, side by side, so that they read
-# its weights from L2. 1 on the H200: at 4, each thread's loads of x's records bound the kernel (L1 traffic 13×
-# the weight bytes; docs/performance.md)
-MAX_TOKEN_TILE = 1
-# from this many tokens a whole matrix takes the tensor-core route (`_gemv_mma_kernel`: the same bits, the weights
-# unpacked once for all tokens instead of once per token). Measured on the H200 (docs/performance.md): slower than
-# dp4a at 4-8 tokens on every 27B matrix (27B gate_up at 8 tokens 209 vs 146 us), 1.1-2.2x faster from 16
-MMA_MIN_TOKENS = 16
-GEMV_PREFETCH = 1  # weight tiles the dp4a route loads ahead (2 is in the sweep: bytes in flight bound it)
-MMA_TOKENS = 16  # tokens per tensor-core program (the MMA's N; fewer tokens are padded)
-MMA_BLOCK_N = 32  # rows per tensor-core program (at least 16: the MMA's M)
-MMA_WARPS = 4  # 214-228 registers, no spills at 32 rows (64 rows need 8 warps: `compile_kernels.py --resources`)
+# the batch route (`_gemv_batch_kernel`): a program holds up to BATCH_TOKENS tokens and a few rows (`batch_block_n`),
+# each lane of its one warp a 32-lane block of a BATCH_BLOCK_K-lane tile, so that a weight tile is loaded and
+# unpacked once for all its tokens and an x record once for all its rows (tuned on the H200: docs/performance.md)
+BATCH_TOKENS = 8
+BATCH_BLOCK_K = 1024
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -259,111 +254,99 @@ if triton is not None:
     def _gemv_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
                      T, N, k_pad, row_words, high_row_units, gpr, x_block_count, stride_out, bias,
                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_T: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, ASM: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, ASM: tl.constexpr):
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-        rows, row_ok, safe_rows, tokens = _row_and_token_tiles(N, T, BLOCK_N, BLOCK_T)
-        if GATHER:  # program_id(1): an output slot (T = 1); its expert's rows and its input row
-            slot = tl.program_id(1)
-            wrows = tl.load(expert_ptr + slot).to(tl.int64) * N + safe_rows
-            x_rows = slot // X_PER_SLOT + tokens * 0
-            out_rows = slot + tokens * 0
-        else:
-            wrows = safe_rows
-            x_rows = tl.minimum(tokens, T - 1)
-            out_rows = tokens
-        token_ok = tokens < T
-        # x's block records are addressed at the full [T, BN, BLOCKS, 4] shape of the products (rows broadcast):
+        rows, row_ok, _, wrows, x_base, out_base = gemv_rows(x_blocks_ptr, out_ptr, expert_ptr, N, T,
+                                                             x_block_count * 12, stride_out, BLOCK_N, GATHER,
+                                                             X_PER_SLOT)
+        # x's block records are addressed at the full [1, BN, BLOCKS, 4] shape of the products (rows broadcast):
         # their loads then take the products' layout (no shuffles between layouts in the loop; repeats hit L1)
-        x_record = x_blocks_ptr + (x_rows.to(tl.int64)[:, None, None, None] * x_block_count
-                                   + tl.arange(0, BLOCKS)[None, None, :, None] + 0 * rows[None, :, None, None]) * 12 \
-            + tl.arange(0, 4)[None, None, None, :]
         word = tl.arange(0, 4)[None, None, None, :]
-        acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCKS), dtype=tl.float32)
+        x_record = x_base + (tl.arange(0, BLOCKS)[None, None, :, None] + 0 * rows[None, :, None, None]) * 12 + word
+        acc = tl.zeros((1, BLOCK_N, BLOCKS), dtype=tl.float32)
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)  # k_pad is a multiple of BLOCK_K: aligned vector loads
         words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, 0, row_words, high_row_units, gpr,
                                              BITS, GROUP, BLOCK_K)
-        if PREFETCH == 2:
-            next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(BLOCK_K, k_last), row_words,
-                                      high_row_units, gpr, BITS, GROUP, BLOCK_K)
         for k0 in tl.range(0, k_pad, BLOCK_K):
-            # the loads of the PREFETCH next tiles are out before this tile's arithmetic (past the end, the last
-            # tile reloads itself): bytes in flight per warp, which bound the kernel at one program per warp
-            if PREFETCH == 2:
-                after_next = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + 2 * BLOCK_K, k_last),
-                                           row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
-            else:
-                next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
-                                          row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
+            # the next tile's loads are out before this tile's arithmetic (past the end, the last tile reloads
+            # itself): bytes in flight per warp, which bound the kernel at one program per warp
+            next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
+                                      row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
             record = x_record + (k0 // 32) * 12
             dots = _dp4a(even[None], tl.load(record), 0, BITS == 8, ASM)
             dots = _dp4a(odd[None], tl.load(record + 4), dots, BITS == 8, ASM)
             meta = tl.load(record + 8)  # scale bits, sum, 0, 0
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
-            block_dots = tl.sum(dots, axis=3)  # [T, BN, BLOCKS], exact integers
+            block_dots = tl.sum(dots, axis=3)  # [1, BN, BLOCKS], exact integers
             if OFFSET:
                 block_dots -= OFFSET * tl.sum(tl.where(word == 1, meta, 0), axis=3)
             acc += block_dots.to(tl.float32) * (w_scale[None, :, :] * x_scale)
             words, high, w_scale = next_tile
-            if PREFETCH == 2:
-                next_tile = after_next
-        out = out_ptr + out_rows[:, None].to(tl.int64) * stride_out + rows[None, :]
-        tl.store(out, _pairwise_sum(acc, BLOCKS), mask=token_ok[:, None] & row_ok[None, :])
+        tl.store(out_base + rows[None, :], _pairwise_sum(acc, BLOCKS), mask=row_ok[None, :])
 
     @triton.jit
-    def _quad_bytes(even, odd):
-        """The 32 codes of each block from the weights' even / odd quads `[BN, BLOCKS, 4]` int32
-        (`_weight_quads`) as int8 `[BN, BLOCKS, 32]`, in the order the bytes of the activation records' eight code
-        words lie in memory: byte j = word j // 4 (even quads 0–3, then odd quads), byte j % 4 — so the records'
-        codes load as int8 straight into the same order (a block's integer dot product does not depend on the
-        order of its lanes). Truncating a byte to int8 gives its code: unsigned q4–q6 codes (< 64) and signed
-        q8 codes alike."""
-        codes = tl.permute(tl.join(_word_bytes(even), _word_bytes(odd)), (0, 1, 5, 2, 3, 4))  # parity before unit
-        return tl.reshape(codes, [even.shape[0], even.shape[1], 32])
-
-    @triton.jit
-    def _word_bytes(quads):
-        """int32 words `[BN, BLOCKS, 4]` as their int8 bytes `[BN, BLOCKS, 4, 2, 2]`, byte i at [..., i // 2, i % 2]."""
-        return tl.join(tl.join(quads.to(tl.int8), (quads >> 16).to(tl.int8)),
-                       tl.join((quads >> 8).to(tl.int8), (quads >> 24).to(tl.int8)))
-
-    @triton.jit
-    def _gemv_mma_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                         high_row_units, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr):
-        # all T tokens in one program: each 32-lane block's exact integer dot products for the BLOCK_T tokens at
-        # once on the tensor cores (int8 MMA, batched over the tile's blocks), then the very float steps of
-        # `_gemv_kernel` — the same bits, with the weights read and unpacked once for all tokens
+    def _gemv_batch_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
+                            high_row_units, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr,
+                            GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                            ASM: tl.constexpr):
+        """The batch route: BLOCK_T tokens × BLOCK_N rows per program. Every tensor is block-major ([BLOCKS, …, 4]
+        with the 4 words of a block's units last), and Triton's layout then puts the blocks across the warp's lanes
+        and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
+        `[BLOCKS, 1, BN, 4]` broadcast in place (checked with `scripts/compile_kernels.py --resources`: no shared
+        memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         rows, row_ok, safe_rows, tokens = _row_and_token_tiles(N, T, BLOCK_N, BLOCK_T)
-        x_rows = tl.minimum(tokens, T - 1).to(tl.int64)  # padding tokens repeat the last one (not stored)
-        block_index = x_rows[:, None] * x_block_count + tl.arange(0, BLOCKS)[None, :]  # [T, BLOCKS]
-        # the records' code bytes (words 0-7 of each 48-byte record) as int8 [T, BLOCKS, 32]
-        code_bytes = x_blocks_ptr.to(tl.pointer_type(tl.int8)) + block_index[:, :, None] * 48 \
-            + tl.arange(0, 32)[None, None, :]
-        acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCKS), dtype=tl.float32)
+        x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
+        blocks = tl.arange(0, BLOCKS)[:, None, None, None]
+        word = tl.arange(0, 4)[None, None, None, :]
+        # [BLOCKS, T, 1, 4] records and [BLOCKS, 1, BN, 4] weights: one layout (lanes over blocks), broadcast in place
+        x_record = x_blocks_ptr + (x_rows[None, :, None, None] * x_block_count + blocks) * 12 + word
+        w_rows = safe_rows[None, None, :, None]
+        acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
-        words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, safe_rows, 0, row_words, high_row_units,
-                                             gpr, BITS, GROUP, BLOCK_K)
+        words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, 0, row_words, high_row_units, gpr,
+                                            BITS, GROUP, BLOCK_K)
         for k0 in tl.range(0, k_pad, BLOCK_K):
-            # the next tile's loads go out before this tile's arithmetic (the last tile reloads itself)
-            next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, safe_rows, tl.minimum(k0 + BLOCK_K, k_last),
-                                      row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
+            next_tile = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(k0 + BLOCK_K, k_last),
+                                     row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
-            w_codes = tl.permute(_quad_bytes(even, odd), (1, 0, 2))  # [BLOCKS, BN, 32]
-            step = (k0 // 32) * 12
-            x_codes = tl.permute(tl.load(code_bytes + step * 4), (1, 2, 0))  # [BLOCKS, 32, T]
-            block_dots = tl.permute(tl.dot(w_codes, x_codes, out_dtype=tl.int32), (2, 1, 0))  # [T, BN, BLOCKS]
-            x_scale = tl.load(x_blocks_ptr + block_index * 12 + step + 8).to(tl.float32, bitcast=True)
+            record = x_record + (k0 // 32) * 12
+            dots = _dp4a(even, tl.load(record), 0, BITS == 8, ASM)
+            dots = _dp4a(odd, tl.load(record + 4), dots, BITS == 8, ASM)
+            meta = tl.load(record + 8)
+            x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
+            block_dots = tl.sum(dots, axis=3)
             if OFFSET:
-                block_dots -= OFFSET * tl.load(x_blocks_ptr + block_index * 12 + step + 9)[:, None, :]
-            acc += block_dots.to(tl.float32) * (w_scale[None, :, :] * x_scale[:, None, :])
+                block_dots -= OFFSET * tl.sum(tl.where(word == 1, meta, 0), axis=3)
+            acc += block_dots.to(tl.float32) * (tl.reshape(w_scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
             words, high, w_scale = next_tile
         out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
-        tl.store(out, _pairwise_sum(acc, BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
+        tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
+
+    @triton.jit
+    def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_units, gpr, BITS: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_load_weights` block-major, for the batch route: base words `[BLOCKS, 1, BN, 4]` (q8: `[…, 4, 2]`), the
+        high units as int32 (the words again without a high plane) and the scales `[BLOCKS, 1, BN, 1]` fp32 of the
+        rows `w_rows` `[1, 1, BN, 1]`."""
+        BLOCKS: tl.constexpr = BLOCK_K // 32
+        blocks = tl.arange(0, BLOCKS)[:, None, None, None]
+        unit = k0 // 8 + 4 * blocks + tl.arange(0, 4)[None, None, None, :]
+        if BITS == 8:
+            pair = tl.arange(0, 2)[None, None, None, None, :]
+            words = tl.load(base_ptr + w_rows[:, :, :, :, None] * row_words + 2 * unit[:, :, :, :, None] + pair)
+            high = words
+        else:
+            words = tl.load(base_ptr + w_rows * row_words + unit)
+            if BITS == 5 or BITS == 6:
+                high = tl.load(high_ptr + w_rows * high_row_units + unit).to(tl.int32) & (0xFF if BITS == 5 else 0xFFFF)
+            else:
+                high = words
+        scale = tl.load(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP).to(tl.float32)
+        return words, high, scale
 
     @triton.jit
     def _grouped_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr, N, k_pad, row_words,
@@ -458,25 +441,34 @@ def _block_k(k_pad: int) -> int:
     return next(b for b in (256, 128) if k_pad % b == 0)
 
 
-def gemv_block_k(k_pad: int) -> int:
-    """The integer GEMV's K tile: the widest of 512, 256, 128, 64 lanes dividing the padded K (512 measured best on
-    the H200, docs/performance.md). It depends on the matrix only, never on the token count, so that every token's
-    result is the same bits at any T."""
+def gemv_block_k(k_pad: int, route: str = "token") -> int:
+    """The integer GEMV's K tile: BATCH_BLOCK_K lanes on the batch route where it divides the padded K (one 32-lane
+    block per lane of a warp), else the widest of 512, 256, 128, 64 lanes dividing it (512 measured best for the
+    token route on the H200, docs/performance.md). It depends on the matrix and route only, never on the token
+    count, so that every token's result is the same bits at any T."""
+    if route == "batch" and k_pad % BATCH_BLOCK_K == 0:
+        return BATCH_BLOCK_K
     return next(b for b in (512, 256, 128, 64) if k_pad % b == 0)
+
+
+def gemv_route(k_pad: int, gathered: bool = False) -> str:
+    """The GEMV route a product takes by default: "token" for gathered experts and for K not a multiple of
+    BATCH_BLOCK_K, else "batch". It depends on the matrix only (a token's bits do not depend on T)."""
+    return "token" if gathered or k_pad % BATCH_BLOCK_K else "batch"
 
 
 def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, shape: tuple[int, int], fmt: str,
                       block_n: int | None = None, block_k: int | None = None, out_dtype: torch.dtype | None = None,
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
                       num_warps: int | None = None, out: torch.Tensor | None = None,
-                      mma: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
+                      route: str | None = None, block_t: int | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
     a wider buffer). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the result is
-    `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `mma` picks the route (default: the
-    tensor-core one from MMA_MIN_TOKENS tokens, for whole matrices); both give the same bits. `prefetch`: weight
-    tiles in flight ahead of the arithmetic in the dp4a route (1 or 2, default GEMV_PREFETCH)."""
+    `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `route` ("token" or "batch"; default
+    `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per
+    program of the batch route (default BATCH_TOKENS)."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     codec, base, high, scales, planes = _planes(data, shape, fmt)
@@ -492,56 +484,46 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     k_pad = gpr * codec.group
     if acts.blocks.shape[1] * 32 < k_pad:
         raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix {k_pad}")
+    route = route or gemv_route(k_pad, experts is not None)
+    if route not in ("token", "batch"):
+        raise ValueError(f"unknown GEMV route {route!r}")
+    if route != "token" and experts is not None:
+        raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
     slots = tokens if experts is None else experts.numel()
     if out is None:
         out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=data.device)
     elif out.shape != (slots, n) or out.stride(1) != 1 or out.device != data.device:
         raise ValueError(f"out must be a [{slots}, {n}] view with unit column stride on {data.device}, got "
                          f"{list(out.shape)} strides {out.stride()} on {out.device}")
-    # tokens in tiles of up to MAX_TOKEN_TILE per program, the tiles of one row tile side by side
-    block_t = 1 if experts is not None else min(MAX_TOKEN_TILE, triton.next_power_of_2(tokens))
-    token_tiles = 1 if experts is not None else triton.cdiv(tokens, block_t)
-    block_k = block_k or gemv_block_k(k_pad)
+    block_k = block_k or gemv_block_k(k_pad, route)
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
-    if prefetch not in (None, 1, 2):
-        raise ValueError(f"prefetch takes 1 or 2 tiles, not {prefetch}")
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
-    if mma is None:
-        mma = experts is None and tokens >= MMA_MIN_TOKENS and _has_int8_mma(data.device)
-    if mma:
-        if experts is not None:
-            raise ValueError("the tensor-core route takes whole matrices, not gathered experts")
-        mma_n = block_n or (64 if INTERPRETED else MMA_BLOCK_N)
-        if mma_n < 16:
-            raise ValueError(f"the tensor-core route takes tiles of at least 16 rows (the MMA's M), not {mma_n}")
-        _gemv_mma_kernel[(triton.cdiv(n, mma_n) * triton.cdiv(tokens, MMA_TOKENS),)](
-            acts.blocks, base, high, scales, out, tokens, n, k_pad, planes[0].row_bytes // 4,
-            _high_row_units(codec, planes), gpr, acts.blocks.shape[1], out.stride(0), bias, BITS=codec.bits,
-            GROUP=codec.group, BLOCK_N=mma_n, BLOCK_K=block_k, BLOCK_T=MMA_TOKENS, ASM=ASM,
-            num_warps=num_warps or MMA_WARPS)
+    common = (acts.blocks, base, high, scales, out)
+    strides = (planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, acts.blocks.shape[1], out.stride(0),
+               bias)
+    if route == "batch":
+        block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
+        block_n = block_n or (64 if INTERPRETED else batch_block_n(tokens, codec.bits))
+        _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](
+            *common, tokens, n, k_pad, *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
+            BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 1)
         return out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
     block_n = block_n or default_n
-    grid = (triton.cdiv(n, block_n) * token_tiles, slots if experts is not None else 1)
-    _gemv_kernel[grid](
-        acts.blocks, base, high, scales, out, experts if experts is not None else base,
-        tokens if experts is None else 1, n, k_pad,
-        planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, acts.blocks.shape[1],
-        out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
-        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM, PREFETCH=prefetch or GEMV_PREFETCH,
-        num_warps=num_warps or default_warps)
+    grid = (triton.cdiv(n, block_n) * (1 if experts is not None else tokens), slots if experts is not None else 1)
+    _gemv_kernel[grid](*common, experts if experts is not None else base, tokens if experts is None else 1, n, k_pad,
+                       *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k,
+                       GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
+                       num_warps=num_warps or default_warps)
     return out
 
 
-@functools.lru_cache
-def _has_int8_mma(device: torch.device) -> bool:
-    """Whether `tl.dot` on int8 runs on tensor cores here: NVIDIA sm_80 and newer (and the interpreter, which
-    emulates it); elsewhere the dp4a route serves every token count."""
-    if INTERPRETED:
-        return True
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
+def batch_block_n(tokens: int, bits: int) -> int:
+    """Rows per program of the batch route: 2 for one token and for q5 matrices, else 4 (the H200 sweep's best at
+    T = 1, 2, 4, 8, 16; docs/performance.md). Rows never change a result's bits."""
+    return 2 if tokens == 1 or bits == 5 else 4
 
 
 def group_pairs(expert_ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
