@@ -5,7 +5,7 @@ matrix (copies rotate over > 256 MiB), so the 50 MiB L2 never holds the weights;
 timed calls, as the runner shares it between matrices.
 Routes (`quant_linear_gemv(route=…)`): "token" (one token per program, the gathered MoE experts' route) and "batch"
 (a tile of tokens per program, weights unpacked once for all of them).
-Usage: python3 scripts/device/gemv_bench.py [--quick]"""
+Usage: python3 scripts/device/gemv_bench.py [--quick] [--only NAME-PART] [--tokens 1,8]"""
 
 import itertools
 import sys
@@ -25,6 +25,9 @@ SHAPES = [  # (name, N, K, fmt, experts gathered)
     ("27b mlp/gate_up", 34816, 5120, "q4_g64_fp16", 0),
     ("27b mlp/down", 5120, 17408, "q5_g64_fp16", 0),
     ("27b gdn/value_z", 12288, 5120, "q5_g64_fp16", 0),
+    ("27b gdn/query_key", 4096, 5120, "q4_g64_fp16", 0),
+    ("27b gdn/output", 5120, 6144, "q5_g64_fp16", 0),
+    ("27b attention/gate_value", 7168, 5120, "q5_g64_fp16", 0),
     ("27b head", 248320, 5120, "q6_g64_fp16", 0),
     ("35b gdn/query_key", 4096, 2048, "q4_g64_fp16", 0),
     ("35b moe/routed_gate_up x8", 1024, 2048, "q4_g64_fp16", 8),
@@ -32,11 +35,15 @@ SHAPES = [  # (name, N, K, fmt, experts gathered)
     ("mtp q8", 5120, 10240, "q8_g32_fp16", 0),
 ]
 quick = "--quick" in sys.argv
+only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
+token_counts = {int(t) for t in sys.argv[sys.argv.index("--tokens") + 1].split(",")} if "--tokens" in sys.argv else None
 # (route, BLOCK_N, warps, tokens per program); None = the route's default
 TOKEN_TILES = [("token", 2, 1, None), ("token", 4, 2, None)]
 BATCH_TILES = [("batch", n, w, None) for n, w in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (16, 4))]
 best = {}
 for name, n, k, fmt, gathered in SHAPES:
+    if only not in name:
+        continue
     codec = codec_for(fmt)
     total_rows = n * 256 if gathered else n
     data = codec.encode(torch.randn(total_rows, k, device="cuda", dtype=torch.bfloat16) * 0.02)
@@ -52,6 +59,8 @@ for name, n, k, fmt, gathered in SHAPES:
                 *((t, [("token", None, None, None), ("batch", None, None, None), ("batch", 4, 1, None),
                        ("batch", 2, 1, 16)]) for t in (2, 4, 16, 32))]
     for tokens, tiles in plan:
+        if token_counts and tokens not in token_counts:
+            continue
         acts = quantize_activations(torch.randn(1 if gathered else tokens, k, device="cuda", dtype=torch.bfloat16))
         for route, block_n, warps, block_t in tiles:
             if route == "batch" and default_route != "batch":
