@@ -188,6 +188,8 @@ def main() -> int:
     for capability in (int(c) for c in args.targets.split(",")):
         target = GPUTarget("cuda", capability, 32)
         for name, kernel, values, options in launches:
+            if "PDL" in values:  # programmatic dependent launch where the target has it (sm_90+)
+                values = values | {"PDL": capability >= 90}
             signature, constexprs, attrs = _signature(kernel, values)
             label = ", ".join(f"{k}={v}" for k, v in values.items() if (kernel.arg_names.index(k),) in constexprs)
             try:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 from ninfer.quant.groupwise import K_ALIGN
 
 try:  # Triton is optional: the CPU path never needs it
@@ -131,7 +132,8 @@ if triton is not None:
                       record_count)
 
     @triton.jit
-    def _quantize_kernel(x_ptr, blocks_ptr, K, block_count, stride_x, BLOCKS: tl.constexpr):
+    def _quantize_kernel(x_ptr, blocks_ptr, K, block_count, stride_x, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         t = tl.program_id(0).to(tl.int64)
         blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
         lane = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]
@@ -149,5 +151,6 @@ def quantize_activations(x: torch.Tensor) -> Int8Activations:
     blocks = empty_records(tokens, k, x.device)
     count = blocks.shape[1]
     per_program = min(32, triton.next_power_of_2(count))
-    _quantize_kernel[(tokens, triton.cdiv(count, per_program))](x, blocks, k, count, x.stride(0), BLOCKS=per_program)
+    _quantize_kernel[(tokens, triton.cdiv(count, per_program))](x, blocks, k, count, x.stride(0), BLOCKS=per_program,
+    **pdl_options(x.device))
     return Int8Activations(x, blocks)

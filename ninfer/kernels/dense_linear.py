@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS
 
 try:  # Triton is optional: the CPU path never needs it
@@ -33,7 +34,8 @@ if triton is not None:
 
     @triton.jit
     def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
@@ -62,5 +64,6 @@ def dense_linear_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
     block_n, block_k = (64, 256) if INTERPRETED else (1, min(triton.next_power_of_2(k), MAX_BLOCK_K))
     _dense_gemv_kernel[(triton.cdiv(n, block_n), tokens)](x, weight, out, n, k, x.stride(0), weight.stride(0),
                                                          out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                         num_warps=max(1, min(8, block_k // 512)))
+                                                         num_warps=max(1, min(8, block_k // 512)),
+                                                         **pdl_options(x.device))
     return out

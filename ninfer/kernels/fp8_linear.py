@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 from ninfer.kernels.quant_linear import INTERPRETED, gemv_rows
 from ninfer.quant import codec_for
 
@@ -45,7 +46,9 @@ if triton is not None:
 
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, code_ptr, scale_ptr, out_ptr, expert_ptr, N, K, T, stride_x, stride_out,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr,
+                         PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         rows, row_ok, _, wrows, x_base, out_base = gemv_rows(x_ptr, out_ptr, expert_ptr, N, T, stride_x, stride_out,
                                                              BLOCK_N, GATHER, X_PER_SLOT)
         lanes = tl.arange(0, BLOCK_K)
@@ -83,7 +86,8 @@ def fp8_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int],
     grid = (triton.cdiv(n, block_n), slots) if experts is not None else (triton.cdiv(n, block_n) * tokens, 1)
     _fp8_gemv_kernel[grid](
         x, codes, scales, out, experts if experts is not None else codes, n, k, tokens, x.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=512, GATHER=experts is not None, X_PER_SLOT=x_per_slot, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=512, GATHER=experts is not None, X_PER_SLOT=x_per_slot, num_warps=4,
+        **pdl_options(data.device))
     return out
 
 

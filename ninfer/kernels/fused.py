@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes
+from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -42,7 +43,8 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_out,
                              eps, record_count, HAS_H: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
-                             SLICE: tl.constexpr):
+                             SLICE: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         # every program of a row reduces the whole row (the same bits in each), then writes its SLICE of lanes
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
@@ -68,7 +70,8 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < width
@@ -83,7 +86,8 @@ if triton is not None:
 
     @triton.jit
     def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, records_ptr, D, stride_x, stride_gate, record_count,
-                            QUANTIZE: tl.constexpr, BLOCK: tl.constexpr):
+                            QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < D
@@ -98,7 +102,8 @@ if triton is not None:
 
     @triton.jit
     def _moe_combine_kernel(routed_ptr, weight_ptr, shared_ptr, logit_ptr, out_ptr, D, stride_weight,
-                            stride_shared, stride_logit, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                            stride_shared, stride_logit, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < D
@@ -114,7 +119,8 @@ if triton is not None:
 
     @triton.jit
     def _route_top_k_kernel(logit_ptr, weight_ptr, id_ptr, experts, stride_logit, TOP_K: tl.constexpr,
-                            K_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+                            K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         values = tl.load(logit_ptr + row * stride_logit + e, mask=e < experts, other=float("-inf")).to(tl.float32)
@@ -164,7 +170,7 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
         x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
         h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
         HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
-        num_warps=4 if split else max(1, min(16, block // 256)))
+        num_warps=4 if split else max(1, min(16, block // 256)), **pdl_options(x.device))
     return total, Int8Activations(out, records) if quantize else out
 
 
@@ -178,7 +184,7 @@ def silu_mul(gate_up: Tensor, quantize: bool = False) -> Tensor | Int8Activation
     records = empty_records(rows, inter, out.device) if quantize else out
     _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](
         gate_up, out, records, inter, gate_up.stride(0), records.shape[1] if quantize else 0, QUANTIZE=quantize,
-        BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
+        BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(gate_up.device))
     return Int8Activations(out, records) if quantize else out
 
 
@@ -190,7 +196,7 @@ def sigmoid_mul(x: Tensor, gate: Tensor, quantize: bool = False) -> Tensor | Int
     records = empty_records(rows, width, out.device) if quantize else out
     _sigmoid_mul_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
         x, gate, out, records, width, x.stride(0), gate.stride(0), records.shape[1] if quantize else 0,
-        QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
+        QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(x.device))
     return Int8Activations(out, records) if quantize else out
 
 
@@ -206,7 +212,7 @@ def moe_combine(routed: Tensor, weights: Tensor, shared: Tensor, shared_logit: T
     out = torch.empty((rows, width), dtype=shared.dtype, device=shared.device)
     _moe_combine_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
         routed, weights, shared, shared_logit, out, width, weights.stride(0), shared.stride(0), shared_logit.stride(0),
-        TOP_K=top_k, BLOCK=ELEMENTWISE_BLOCK, num_warps=4)
+        TOP_K=top_k, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(routed.device))
     return out
 
 
@@ -221,5 +227,5 @@ def route_top_k(logits: Tensor, experts: int, top_k: int) -> tuple[Tensor, Tenso
     ids = torch.empty((rows, top_k), dtype=torch.int32, device=logits.device)
     _route_top_k_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
-                                 num_warps=4)
+                                 num_warps=4, **pdl_options(logits.device))
     return weights, ids

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, quantize_activations
+from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -45,7 +46,8 @@ if triton is not None:
     @triton.jit
     def _conv1d_update_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, T,
                               stride_x, stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out,
-                              K: tl.constexpr, BLOCK_C: tl.constexpr, SNAPSHOTS: tl.constexpr):
+                              K: tl.constexpr, BLOCK_C: tl.constexpr, SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         sequence = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < C
@@ -78,7 +80,8 @@ if triton is not None:
                                    stride_s_k, stride_s_v, q_scale, K_HEADS: tl.constexpr, K_DIM: tl.constexpr,
                                    V_HEADS: tl.constexpr, V_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
                                    BLOCK_V: tl.constexpr, L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr,
-                                   T: tl.constexpr):
+                                   T: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
         head = tl.program_id(1)  # value head; it reads key head head // (V_HEADS // K_HEADS)
@@ -124,7 +127,9 @@ if triton is not None:
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, stride_o, stride_z, stride_out, eps,
                            record_count, V_HEADS: tl.constexpr, V_DIM: tl.constexpr, HEADS: tl.constexpr,
-                           BLOCK_V: tl.constexpr, ROUND_NORM_PRODUCT: tl.constexpr, QUANTIZE: tl.constexpr):
+                           BLOCK_V: tl.constexpr, ROUND_NORM_PRODUCT: tl.constexpr, QUANTIZE: tl.constexpr,
+                           PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         # HEADS value heads of one row: rms_norm_gated per head, and with QUANTIZE (V_DIM a multiple of 32, so a
         # head is whole int8 blocks) the output's records
         row = tl.program_id(0).to(tl.int64)
@@ -215,7 +220,8 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
     _conv1d_update_kernel[(B, triton.cdiv(C, CONV_BLOCK_C))](
         x, weight, conv_state, slots, snapshot_slots if snapshot_slots is not None else slots, out, C, tokens,
         x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0), conv_state.stride(1),
-        conv_state.stride(2), out.stride(0), K=K, BLOCK_C=CONV_BLOCK_C, SNAPSHOTS=snapshot_slots is not None)
+        conv_state.stride(2), out.stride(0), K=K, BLOCK_C=CONV_BLOCK_C, SNAPSHOTS=snapshot_slots is not None,
+        **pdl_options(x.device))
     return out
 
 
@@ -284,7 +290,8 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
         mixed.stride(0), a_b.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2),
         state.stride(3), k_dim**-0.5, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k,
         BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens,
-        num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2)  # the state tile lives in registers
+        num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
+        **pdl_options(mixed.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
     round_norm_product = torch.promote_types(norm_weight.dtype, mixed.dtype) == mixed.dtype
     records_here = quantize and v_dim % 32 == 0 and block_v == v_dim
@@ -295,7 +302,7 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
     _gated_norm_kernel[(rows, triton.cdiv(lanes, heads * v_dim))](
         o, z, norm_weight, out, records, o.stride(0), z.stride(0), out.stride(0), eps, record_count,
         V_HEADS=v_heads, V_DIM=v_dim, HEADS=heads, BLOCK_V=block_v, ROUND_NORM_PRODUCT=round_norm_product,
-        QUANTIZE=records_here, num_warps=4)
+        QUANTIZE=records_here, num_warps=4, **pdl_options(mixed.device))
     if not quantize:
         return out
     return Int8Activations(out, records) if records_here else quantize_activations(out)

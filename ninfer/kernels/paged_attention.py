@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ninfer.kernels.attention import causal_attention
+from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 from ninfer.kernels.fp8_linear import e4m3_to_fp32
 
 try:  # Triton is optional: the CPU path never needs it
@@ -167,7 +168,8 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(qk_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, stride_row,
-                             heads, kv_heads, eps, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+                             heads, kv_heads, eps, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         d = tl.arange(0, HEAD_DIM)
@@ -227,7 +229,7 @@ def qk_norm_rope(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: T
     k = torch.empty((batch, kv_heads, head_dim), dtype=query_key.dtype, device=query_key.device)
     _qk_norm_rope_kernel[(batch, heads + kv_heads)](
         query_key, q_norm, k_norm, positions, inv_freq.float().contiguous(), q, k, query_key.stride(0), heads,
-        kv_heads, eps, HEAD_DIM=head_dim, ROTARY=rotary_dim, num_warps=2)
+        kv_heads, eps, HEAD_DIM=head_dim, ROTARY=rotary_dim, num_warps=2, **pdl_options(query_key.device))
     return q, k
 
 
@@ -281,7 +283,9 @@ if triton is not None:
     def _write_kv_kernel(k_ptr, v_ptr, key_pages, value_pages, key_scales, value_scales, table_ptr, pos_ptr,
                          stride_kb, stride_kh, stride_vb, stride_vh, stride_table, stride_page, stride_row,
                          stride_head, scale_stride_page, scale_stride_row, scale_stride_head,
-                         PAGE: tl.constexpr, GROUPS: tl.constexpr, QUANT: tl.constexpr, CODE_MAX: tl.constexpr):
+                         PAGE: tl.constexpr, GROUPS: tl.constexpr, QUANT: tl.constexpr, CODE_MAX: tl.constexpr,
+                         PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         position = tl.load(pos_ptr + b)
@@ -321,7 +325,8 @@ def write_kv(k: Tensor, v: Tensor, key_pages: Tensor, value_pages: Tensor, key_s
     _write_kv_kernel[(batch, kv_heads)](
         k, v, pages, value_pool, *scales, block_table, positions, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), block_table.stride(0), *key_pages.stride()[:3], *scale_strides, PAGE=key_pages.shape[1],
-        GROUPS=head_dim // SCALE_GROUP, QUANT=mode, CODE_MAX=CODE_MAX.get(key_pages.dtype, 0.0), num_warps=2)
+        GROUPS=head_dim // SCALE_GROUP, QUANT=mode, CODE_MAX=CODE_MAX.get(key_pages.dtype, 0.0), num_warps=2,
+        **pdl_options(k.device))
 
 
 if triton is not None:
@@ -355,7 +360,8 @@ if triton is not None:
                              scale_stride_row, scale_stride_head, qk_scale, splits, heads,
                              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              PAGE: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             IEEE: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -404,7 +410,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(partial_out, partial_max, partial_sum, out_ptr, stride_ob, stride_oh, splits, heads,
-                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, SPLITS_PAD)
@@ -464,9 +471,9 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), *key_pages.stride()[:3],
         *scale_strides, scale * math.log2(math.e), splits, heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page, BLOCK_S=BLOCK_POSITIONS,
-        QUANT=mode, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4)
+        QUANT=mode, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4, **pdl_options(q.device))
     if splits > 1:
         _merge_splits_kernel[(batch, heads)](
             partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), splits, heads,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4)
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4, **pdl_options(q.device))
     return out

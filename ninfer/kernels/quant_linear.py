@@ -46,6 +46,7 @@ from ninfer.kernels.activation_quant import (
     quantize_activations,
     quantize_activations_reference,
 )
+from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
 
@@ -254,9 +255,11 @@ if triton is not None:
     def _gemv_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
                      T, N, k_pad, row_words, high_row_units, gpr, x_block_count, stride_out, bias,
                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, ASM: tl.constexpr):
+                     GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
+        if GATHER:  # the experts come from the routing kernel
+            wait_for_inputs(PDL)
         rows, row_ok, _, wrows, x_base, out_base = gemv_rows(x_blocks_ptr, out_ptr, expert_ptr, N, T,
                                                              x_block_count * 12, stride_out, BLOCK_N, GATHER,
                                                              X_PER_SLOT)
@@ -268,6 +271,8 @@ if triton is not None:
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)  # k_pad is a multiple of BLOCK_K: aligned vector loads
         words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, 0, row_words, high_row_units, gpr,
                                              BITS, GROUP, BLOCK_K)
+        if not GATHER:  # the first weight tile streams while the kernel before this one finishes
+            wait_for_inputs(PDL)
         for k0 in tl.range(0, k_pad, BLOCK_K):
             # the next tile's loads are out before this tile's arithmetic (past the end, the last tile reloads
             # itself): bytes in flight per warp, which bound the kernel at one program per warp
@@ -290,7 +295,7 @@ if triton is not None:
     def _gemv_batch_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
                             high_row_units, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr,
                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                            ASM: tl.constexpr):
+                            ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route: BLOCK_T tokens × BLOCK_N rows per program. Every tensor is block-major ([BLOCKS, …, 4]
         with the 4 words of a block's units last), and Triton's layout then puts the blocks across the warp's lanes
         and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
@@ -309,6 +314,7 @@ if triton is not None:
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
         words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, 0, row_words, high_row_units, gpr,
                                             BITS, GROUP, BLOCK_K)
+        wait_for_inputs(PDL)  # the first weight tile streams while the kernel before this one finishes
         for k0 in tl.range(0, k_pad, BLOCK_K):
             next_tile = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(k0 + BLOCK_K, k_last),
                                      row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
@@ -352,7 +358,8 @@ if triton is not None:
     def _grouped_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr, N, k_pad, row_words,
                         high_row_units, gpr, stride_x, stride_out, num_experts, BITS: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                        X_PER_SLOT: tl.constexpr, IEEE: tl.constexpr):
+                        X_PER_SLOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         LPW: tl.constexpr = 4 if BITS == 8 else 8  # lanes per 32-bit base word
         WORDS: tl.constexpr = BLOCK_K // LPW
         WPG: tl.constexpr = GROUP // LPW  # words per group (8 in every format)
@@ -389,7 +396,8 @@ if triton is not None:
     @triton.jit
     def _dequantize_kernel(base_ptr, high_ptr, scale_ptr, out_ptr, index_ptr, N, K, row_words, high_row_units, gpr,
                            BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GATHER: tl.constexpr):
+                           GATHER: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         LPW: tl.constexpr = 4 if BITS == 8 else 8
         NG: tl.constexpr = BLOCK_K // GROUP
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows
@@ -507,7 +515,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         block_n = block_n or (64 if INTERPRETED else batch_block_n(tokens, codec.bits))
         _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](
             *common, tokens, n, k_pad, *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
-            BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 1)
+            BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 1, **pdl_options(data.device))
         return out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
@@ -516,7 +524,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     _gemv_kernel[grid](*common, experts if experts is not None else base, tokens if experts is None else 1, n, k_pad,
                        *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k,
                        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
-                       num_warps=num_warps or default_warps)
+                       num_warps=num_warps or default_warps, **pdl_options(data.device))
     return out
 
 
@@ -575,7 +583,8 @@ def quant_linear_grouped(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, 
         _high_row_units(codec, planes), gpr, x.stride(0), out.stride(0), experts,
         BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block,
         X_PER_SLOT=x_per_pair, IEEE=x.dtype == torch.float32,
-        num_warps=8)  # 4 warps spill registers at 64 × 64 tiles (scripts/compile_kernels.py --resources)
+        num_warps=8,  # 4 warps spill registers at 64 × 64 tiles (scripts/compile_kernels.py --resources)
+        **pdl_options(x.device))
     return out
 
 
@@ -594,5 +603,5 @@ def dequantize(data: torch.Tensor, shape: tuple[int, int], fmt: str, dtype: torc
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         base, high, scales, result, rows if rows is not None else base, n, k, planes[0].row_bytes // 4,
         _high_row_units(codec, planes), gpr, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k,
-        GATHER=rows is not None)
+        GATHER=rows is not None, **pdl_options(data.device))
     return result
