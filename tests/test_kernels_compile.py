@@ -1,6 +1,7 @@
 """Every Triton kernel compiles for the H200 (sm_90) and for an older GPU without FP8 hardware (sm_80), without a
 GPU: scripts/compile_kernels.py records each wrapper's launch and runs triton's compiler (ptxas ships with
-triton). The interpreter-based tests cannot catch code that only the compiler rejects."""
+triton). The interpreter-based tests cannot catch code that only the compiler rejects. On sm_90 every kernel is
+compiled with programmatic dependent launch (ninfer.kernels.dependent_launch), on sm_80 without."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = ["_gemv_kernel", "_dequantize_kernel", "_fp8_gemv_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel",
-           "_sigmoid_mul_kernel", "_route_top_k_kernel", "_moe_combine_kernel", "_conv1d_update_kernel",
-           "_gated_delta_decode_kernel", "_qk_norm_rope_kernel", "_write_kv_kernel", "_paged_decode_kernel",
-           "_merge_splits_kernel"]
+KERNELS = ["_gemv_kernel", "_gemv_batch_kernel", "_dequantize_kernel", "_fp8_gemv_kernel", "_add_rms_norm_kernel",
+           "_silu_mul_kernel", "_sigmoid_mul_kernel", "_route_top_k_kernel", "_moe_combine_kernel",
+           "_conv1d_update_kernel", "_gated_delta_decode_kernel", "_gated_norm_kernel", "_qk_norm_rope_kernel",
+           "_write_kv_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_quantize_kernel",
+           "_dense_gemv_kernel"]
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80():
@@ -30,4 +32,8 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
     for capability in ("90", "80"):
         missing = [k for k in KERNELS if (capability, k) not in compiled]
         assert not missing, f"not compiled for sm_{capability}: {missing}"
+    # programmatic dependent launch (griddepcontrol) is compiled in for sm_90 only
+    for capability, pdl in (("90", "True"), ("80", "False")):
+        lines = re.findall(rf"^sm_{capability} ok\s+\w+\(.*\)", result.stdout, re.MULTILINE)
+        assert lines and all(f"PDL={pdl}" in line for line in lines), f"sm_{capability} without PDL={pdl}"
     assert re.search(r"\b0 failed$", result.stdout.strip())
