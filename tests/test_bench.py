@@ -39,6 +39,7 @@ def test_bench_command_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["limits"]["read_bytes_per_second"] > 0 and data["limits"]["matmul_flops_per_second"] > 0
     assert [row["batch"] for row in data["decode"]] == [1] and data["prefill"][0]["tokens"] == 16
+    assert data["runner"] == "reference" and data["dependent_launch"] is False  # PDL is the fast path's, on sm_90+
 
 
 def test_moe_decode_reads_the_expected_share_of_the_experts():

@@ -25,6 +25,7 @@ import torch
 from ninfer.devices import synchronize
 from ninfer.engine.llm import LLM
 from ninfer.errors import NinferError
+from ninfer.kernels.dependent_launch import pdl_supported
 from ninfer.model.config import FULL_ATTENTION
 
 
@@ -42,6 +43,7 @@ class BenchReport:
     limits: Limits
     weight_bytes: int
     runner: str = "reference"
+    dependent_launch: bool = False  # the fast path's kernels launch with PDL (ninfer.kernels.dependent_launch)
     prefill: list[dict[str, float]] = field(default_factory=list)
     decode: list[dict[str, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0
@@ -120,7 +122,8 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
     limits = limits or measure_limits(device, llm.dtype)
     model = llm.model
     vocab = llm.tokenizer.vocab_size
-    report = BenchReport(str(llm.path), limits, model.weight_bytes, runner="fast" if llm.fast else "reference")
+    report = BenchReport(str(llm.path), limits, model.weight_bytes, runner="fast" if llm.fast else "reference",
+                         dependent_launch=llm.fast and pdl_supported(device))
     generator = torch.Generator().manual_seed(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -164,7 +167,8 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
 
 def format_report(report: BenchReport) -> str:
     lim = report.limits
-    lines = [f"{report.model} on {lim.device} ({report.runner} runner): weights "
+    launch = ", programmatic dependent launch" if report.dependent_launch else ""
+    lines = [f"{report.model} on {lim.device} ({report.runner} runner{launch}): weights "
              f"{report.weight_bytes / 2**20:.1f} MiB as held in memory",
              f"limits measured now: read {lim.read_bytes_per_second / 1e9:.1f} GB/s, "
              f"{lim.dtype} matmul {lim.matmul_flops_per_second / 1e12:.2f} TFLOP/s",
