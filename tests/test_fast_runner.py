@@ -19,6 +19,7 @@ from ninfer.artifact.reader import Artifact
 from ninfer.fast import runner
 from ninfer.fast.cache import CacheFullError, MemoryPlanError, plan_memory
 from ninfer.fast.runner import FastQwen35
+from ninfer.kernels import quant_linear
 from ninfer.model.config import TextConfig
 from ninfer.model.qwen3_5 import Qwen35Model
 from tests.fast_support import int8_activations
@@ -367,16 +368,22 @@ def test_verify_equals_token_by_token_decode_and_accept_resumes(path):
         fast.verify(verified, torch.zeros((2, 4), dtype=torch.long))
 
 
-def test_a_batch_wider_than_a_tensor_core_tile_gives_each_sequence_its_own_bits():
-    """18 rows: two token tiles of the tensor-core GEMV (one padded), dp4a for the row decoded alone — the same
-    bits over two steps, so what else is batched never changes a sequence's tokens."""
-    _, fast = _models(DENSE, max_sequences=18)
-    steps = [torch.arange(18) + 3, torch.arange(18) * 7 + 40]
-    states = [fast.new_state(4) for _ in range(18)]
+def test_a_batch_wider_than_the_batch_routes_token_tile_gives_each_sequence_its_own_bits(monkeypatch):
+    """10 rows through the batch GEMV route — its K tile lowered to 256 lanes so that the demo model's matrices take
+    it here — in two token tiles (8 + 2, the second masked), against the row decoded alone: the same bits over two
+    steps, so what else is batched never changes a sequence's tokens."""
+    monkeypatch.setattr(quant_linear, "BATCH_BLOCK_K", 256)
+    routes = []
+    route = quant_linear.gemv_route
+    monkeypatch.setattr(quant_linear, "gemv_route", lambda *args: routes.append(route(*args)) or routes[-1])
+    _, fast = _models(DENSE, max_sequences=10)
+    steps = [torch.arange(10) + 3, torch.arange(10) * 7 + 40]
+    states = [fast.new_state(4) for _ in range(10)]
     batch = [fast.decode_batch(states, tokens) for tokens in steps]
+    assert set(routes) == {"batch"}
     del states
     gc.collect()
-    for i in (0, 9, 17):
+    for i in (0, 8, 9):
         alone = fast.new_state(4)
         for step, tokens in enumerate(steps):
             assert torch.equal(fast.decode_batch([alone], tokens[i : i + 1])[0], batch[step][i]), f"{i}, {step}"

@@ -512,7 +512,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                bias)
     if route == "batch":
         block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
-        block_n = block_n or (64 if INTERPRETED else batch_block_n(tokens, codec.bits))
+        block_n = block_n or (256 if INTERPRETED else batch_block_n(tokens, codec.bits))
         _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](
             *common, tokens, n, k_pad, *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
             BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 1, **pdl_options(data.device))
