@@ -52,7 +52,7 @@ FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's matrices that read its input
 # prompt pieces of up to this many tokens take the decode kernels (`_steps`) instead of the prefill route: the gated
-# delta step unrolls its T tokens (one compiled kernel per T, all made by `warm_up`). None under the interpreter,
+# delta step unrolls its T tokens (one compiled kernel per T, all made by `warm_up`). Off (0) under the interpreter,
 # which runs those kernels program by program, far slower than the prefill route's torch ops (the tests set it)
 SHORT_PREFILL_TOKENS = 0 if INTERPRETED else 16
 # prefill-route prompt lengths of `warm_up`: every specialisation class of T and T · top_k (32: both divisible by 16;

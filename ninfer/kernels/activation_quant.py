@@ -152,5 +152,5 @@ def quantize_activations(x: torch.Tensor) -> Int8Activations:
     count = blocks.shape[1]
     per_program = min(32, triton.next_power_of_2(count))
     _quantize_kernel[(tokens, triton.cdiv(count, per_program))](x, blocks, k, count, x.stride(0), BLOCKS=per_program,
-    **pdl_options(x.device))
+                                                                **pdl_options(x.device))
     return Int8Activations(x, blocks)

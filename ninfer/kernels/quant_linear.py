@@ -205,18 +205,12 @@ if triton is not None:
         return even, odd
 
     @triton.jit
-    def _load_weights(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words, high_row_units, gpr, BITS: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The tile's packed weights as loaded, per row, 32-lane block and unit (8 lanes): base words (q8:
-        `[BN, BLOCKS, 4, 2]`, two per unit, else `[BN, BLOCKS, 4]`), the high units as int32 (the words again
-        without a high plane, unused) and the weight scale of each block `[BN, BLOCKS]` fp32. A block's units
-        are contiguous: 16- or 32-byte vector loads."""
-        BLOCKS: tl.constexpr = BLOCK_K // 32
-        rows = wrows[:, None, None]
-        unit = k0 // 8 + 4 * tl.arange(0, BLOCKS)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    def _load_units(base_ptr, high_ptr, rows, unit, row_words, high_row_units, BITS: tl.constexpr):
+        """The base words of weight rows `rows` at 8-lane units `unit` (index tensors that broadcast to the tile's
+        shape; q8 adds a last axis for its two words per unit) and the high units as int32 (q5: a byte, q6: 16
+        bits; the words again without a high plane, unused)."""
         if BITS == 8:
-            pair = tl.arange(0, 2)[None, None, None, :]
-            words = tl.load(base_ptr + rows[:, :, :, None] * row_words + 2 * unit[:, :, :, None] + pair)
+            words = tl.load(base_ptr + tl.expand_dims(rows * row_words + 2 * unit, -1) + tl.arange(0, 2))
             high = words
         else:
             words = tl.load(base_ptr + rows * row_words + unit)
@@ -224,6 +218,18 @@ if triton is not None:
                 high = tl.load(high_ptr + rows * high_row_units + unit).to(tl.int32) & (0xFF if BITS == 5 else 0xFFFF)
             else:
                 high = words
+        return words, high
+
+    @triton.jit
+    def _load_weights(base_ptr, high_ptr, scale_ptr, wrows, k0, row_words, high_row_units, gpr, BITS: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The tile's packed weights as loaded, per row, 32-lane block and unit (8 lanes): base words (q8:
+        `[BN, BLOCKS, 4, 2]`, two per unit, else `[BN, BLOCKS, 4]`), the high units as int32 (the words again
+        without a high plane, unused) and the weight scale of each block `[BN, BLOCKS]` fp32. A block's units
+        are contiguous: 16- or 32-byte vector loads."""
+        BLOCKS: tl.constexpr = BLOCK_K // 32
+        unit = k0 // 8 + 4 * tl.arange(0, BLOCKS)[None, :, None] + tl.arange(0, 4)[None, None, :]
+        words, high = _load_units(base_ptr, high_ptr, wrows[:, None, None], unit, row_words, high_row_units, BITS)
         groups = (k0 + 32 * tl.arange(0, BLOCKS)[None, :]) // GROUP
         scale = tl.load(scale_ptr + wrows[:, None] * gpr + groups).to(tl.float32)
         return words, high, scale
@@ -341,16 +347,7 @@ if triton is not None:
         BLOCKS: tl.constexpr = BLOCK_K // 32
         blocks = tl.arange(0, BLOCKS)[:, None, None, None]
         unit = k0 // 8 + 4 * blocks + tl.arange(0, 4)[None, None, None, :]
-        if BITS == 8:
-            pair = tl.arange(0, 2)[None, None, None, None, :]
-            words = tl.load(base_ptr + w_rows[:, :, :, :, None] * row_words + 2 * unit[:, :, :, :, None] + pair)
-            high = words
-        else:
-            words = tl.load(base_ptr + w_rows * row_words + unit)
-            if BITS == 5 or BITS == 6:
-                high = tl.load(high_ptr + w_rows * high_row_units + unit).to(tl.int32) & (0xFF if BITS == 5 else 0xFFFF)
-            else:
-                high = words
+        words, high = _load_units(base_ptr, high_ptr, w_rows, unit, row_words, high_row_units, BITS)
         scale = tl.load(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP).to(tl.float32)
         return words, high, scale
 
