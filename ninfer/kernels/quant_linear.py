@@ -36,6 +36,7 @@ Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -62,6 +63,8 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 # unpacked once for all its tokens and an x record once for all its rows (tuned on the H200: docs/performance.md)
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
+# from this many tokens the batch route runs on tensor cores where it can (`tensor_core_gemv`): the same bits
+MMA_MIN_TOKENS = 2
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -352,6 +355,172 @@ if triton is not None:
         return words, high, scale
 
     @triton.jit
+    def _lane_ids(like):
+        """The hardware lane (`%laneid`) holding each element of `like` (int32, `like`'s shape): the tensor-core
+        route computes every address from it, so each lane loads the fragments its `mma` role needs whatever
+        layout Triton gives the tensors."""
+        return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _signed_weight_quads(words, high, BITS: tl.constexpr, ASM: tl.constexpr):
+        """The tile's weight codes as signed byte quads scaled by 2^(8 − BITS) — the code's bits moved to the top of
+        each byte, so the byte read as int8 is code · 2^(8 − BITS) with no offset to remove (`_weight_quads`'s
+        even / odd lanes, q8's bytes as they are): the tensor-core route's operand."""
+        if BITS == 8:
+            w0, w1 = tl.split(words)
+            even = _pick_bytes(w0, w1, 0x6420, ASM)
+            odd = _pick_bytes(w0, w1, 0x7531, ASM)
+        elif BITS == 4:  # (masks as int32: 0xF0F0F0F0, 0x80808080)
+            even = (words << 4) & -0x0F0F0F10
+            odd = words & -0x0F0F0F10
+        elif BITS == 5:  # bit i of the high byte is bit 4 of lane i: to bit 7 of its byte
+            even = ((words << 3) & 0x78787878) | (((high & 0x55) * 0x2082080) & -0x7F7F7F80)
+            odd = ((words >> 1) & 0x78787878) | (((high & 0xAA) * 0x1041040) & -0x7F7F7F80)
+        else:  # q6: bits 2i, 2i + 1 of the high unit are bits 4, 5 of lane i: to bits 6, 7 of its byte
+            even = ((words & 0x0F0F0F0F) | _spread_q6_pairs(high)) << 2
+            odd = (((words >> 4) & 0x0F0F0F0F) | _spread_q6_pairs(high >> 2)) << 2
+        return even, odd
+
+    @triton.jit
+    def _block_mma(w_even, w_odd, w_even_hi, w_odd_hi, x_even, x_odd):
+        """One `mma.sync.m16n8k32` (int8 in, int32 out) per element across the warp: the exact dot products of one
+        32-lane block for 16 weight rows (A, row-major: rows g and g + 8 from lane 4g + t) and 8 tokens (B: token
+        g). Lane 4g + t supplies the quads of 8-lane unit t — even lanes as k = 4t..4t+3, odd lanes as
+        k = 16 + 4t..16 + 4t + 3, the same order on both sides, so the K order inside the block does not matter —
+        and gets the dots of rows (g, g + 8) with tokens (2t, 2t + 1): c0 = (g, 2t), c1 = (g, 2t + 1),
+        c2 = (g + 8, 2t), c3 = (g + 8, 2t + 1)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 z; mov.b32 z, 0; mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, "
+            "{$4, $5, $6, $7}, {$8, $9}, {z, z, z, z}; }",
+            "=r,=r,=r,=r,r,r,r,r,r,r", [w_even, w_even_hi, w_odd, w_odd_hi, x_even, x_odd],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+    @triton.jit
+    def _mma_step(acc0, acc1, acc2, acc3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t, scale_rows,
+                  scale_rows_hi, scale_ptr, gpr, k0, BITS: tl.constexpr, GROUP: tl.constexpr, STEP: tl.constexpr):
+        """STEP blocks from lane k0 on the tensor-core route (`[32, G, BPG]` tensors: the warp's lanes first, block
+        BPG·i + j of the half in register (i, j)): the blocks' exact dots through `_block_mma` on codes scaled by
+        2^(8 − BITS), then acc += dot · (w_scale · 2^(BITS − 8) · x_scale) per block position. Scaling by a power
+        of two is exact, so these are the dp4a routes' products and sums, bit for bit. acc0..3 as `_block_mma`'s
+        c0..3. Tokens past T read the last token's records (clamped addresses, no masks): only their own output
+        columns, which are not stored, see them."""
+        BPG: tl.constexpr = GROUP // 32
+        UNSCALE: tl.constexpr = 1.0 / (1 << (8 - BITS))
+        even, odd = _signed_weight_quads(words, high, BITS, True)
+        even_hi, odd_hi = _signed_weight_quads(words_hi, high_hi, BITS, True)
+        record = x_base + (k0 // 32) * 12
+        x_even = tl.load(record + t)
+        x_odd = tl.load(record + 4 + t)
+        c0, c1, c2, c3 = _block_mma(even, odd, even_hi, odd_hi, x_even, x_odd)
+        scale0 = tl.load(x_scale0 + (k0 // 32) * 12).to(tl.float32, bitcast=True)
+        scale1 = tl.load(x_scale1 + (k0 // 32) * 12).to(tl.float32, bitcast=True)
+        groups = k0 // GROUP + tl.arange(0, STEP // BPG)[None, :, None]
+        w_scale = tl.load(scale_ptr + scale_rows * gpr + groups).to(tl.float32)
+        w_scale_hi = tl.load(scale_ptr + scale_rows_hi * gpr + groups).to(tl.float32)
+        if BITS != 8:
+            w_scale = w_scale * UNSCALE
+            w_scale_hi = w_scale_hi * UNSCALE
+        acc0 += c0.to(tl.float32) * (w_scale * scale0)
+        acc1 += c1.to(tl.float32) * (w_scale * scale1)
+        acc2 += c2.to(tl.float32) * (w_scale_hi * scale0)
+        acc3 += c3.to(tl.float32) * (w_scale_hi * scale1)
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _sum_positions(values, G: tl.constexpr):
+        """`_pairwise_sum`'s order over the block positions of a quarter tile held as `[32, G, BPG]` (position BPG·i + j
+        in register (i, j)): i onto i − G/2 while G > 1, then the BPG pair; returns `[32]`."""
+        if G == 1:
+            r = tl.sum(tl.sum(values, axis=2), axis=1)
+        else:
+            r = _sum_positions(tl.sum(tl.reshape(values, [32, 2, G // 2, values.shape[2]]), axis=1), G // 2)
+        return r
+
+    @triton.jit
+    def _gemv_mma_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
+                         high_row_units, gpr, x_block_count, stride_out, BITS: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """The batch route on tensor cores (sm_80+): a program (one warp) computes 16 rows × 8 tokens with one
+        int8 `mma.m16n8k32` per 32-lane block (`_block_mma`), over the batch route's K tile (BLOCK_K lanes, walked
+        in quarters, each with its own accumulators: the tile's block positions) and with its per-position sums:
+        the same bits as `_gemv_batch_kernel`. The float epilogue (per block, row and token: convert, scale
+        product, FMA) is then most of the work, not the dots."""
+        STEP: tl.constexpr = BLOCK_K // 128  # blocks per quarter tile
+        BPG: tl.constexpr = GROUP // 32  # blocks per weight scale
+        G: tl.constexpr = STEP // BPG
+        STEP_UNITS: tl.constexpr = BLOCK_K // 32  # 8-lane units per quarter
+        # lanes first: Triton's coalescing gives the first of equally (un)contiguous dims to the warp's lanes, and
+        # the lane ids' opaque addresses keep it from vectorising along them — the blocks stay in registers
+        lane = _lane_ids(tl.arange(0, 32)[:, None, None])
+        g = lane // 4
+        t = lane % 4
+        token_tiles = tl.cdiv(T, 8)
+        row0 = (tl.program_id(0) // token_tiles) * 16
+        token0 = (tl.program_id(0) % token_tiles) * 8
+        blocks = tl.arange(0, G)[None, :, None] * BPG + tl.arange(0, BPG)[None, None, :]
+        records = x_blocks_ptr + blocks * 12
+        token = token0 + g  # B's column: its quads
+        x_base = records + tl.minimum(token, T - 1).to(tl.int64) * x_block_count * 12
+        # C's columns 2t, 2t + 1: their x scales
+        x_scale0 = records + tl.minimum(token0 + 2 * t, T - 1).to(tl.int64) * x_block_count * 12 + 8
+        x_scale1 = records + tl.minimum(token0 + 2 * t + 1, T - 1).to(tl.int64) * x_block_count * 12 + 8
+        rows = tl.minimum(row0 + g, N - 1).to(tl.int64)
+        rows_hi = tl.minimum(row0 + 8 + g, N - 1).to(tl.int64)
+        unit = 4 * blocks + t
+        zero = tl.zeros((32, G, BPG), dtype=tl.float32)
+        a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
+        c0, c1, c2, c3, d0, d1, d2, d3 = zero, zero, zero, zero, zero, zero, zero, zero
+        last = k_pad // 8 - STEP_UNITS
+        words, high = _load_units(base_ptr, high_ptr, rows, unit, row_words, high_row_units, BITS)
+        words_hi, high_hi = _load_units(base_ptr, high_ptr, rows_hi, unit, row_words, high_row_units, BITS)
+        wait_for_inputs(PDL)  # the first weight tile streams while the kernel before this one finishes
+        for k0 in tl.range(0, k_pad, BLOCK_K):
+            # each quarter's weights are loaded during the quarter before (past the end, the last quarter again)
+            units = unit + (k0 // 8 + STEP_UNITS)
+            ahead = _load_units(base_ptr, high_ptr, rows, units, row_words, high_row_units, BITS)
+            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, units, row_words, high_row_units, BITS)
+            a0, a1, a2, a3 = _mma_step(a0, a1, a2, a3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t,
+                                       rows, rows_hi, scale_ptr, gpr, k0, BITS,
+                                       GROUP, STEP)
+            words, high = ahead
+            words_hi, high_hi = ahead_hi
+            units = unit + (k0 // 8 + 2 * STEP_UNITS)
+            ahead = _load_units(base_ptr, high_ptr, rows, units, row_words, high_row_units, BITS)
+            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, units, row_words, high_row_units, BITS)
+            b0, b1, b2, b3 = _mma_step(b0, b1, b2, b3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t,
+                                       rows, rows_hi, scale_ptr, gpr,
+                                       k0 + BLOCK_K // 4, BITS, GROUP, STEP)
+            words, high = ahead
+            words_hi, high_hi = ahead_hi
+            units = unit + (k0 // 8 + 3 * STEP_UNITS)
+            ahead = _load_units(base_ptr, high_ptr, rows, units, row_words, high_row_units, BITS)
+            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, units, row_words, high_row_units, BITS)
+            c0, c1, c2, c3 = _mma_step(c0, c1, c2, c3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t,
+                                       rows, rows_hi, scale_ptr, gpr,
+                                       k0 + BLOCK_K // 2, BITS, GROUP, STEP)
+            words, high = ahead
+            words_hi, high_hi = ahead_hi
+            units = unit + tl.minimum(k0 // 8 + 4 * STEP_UNITS, last)
+            ahead = _load_units(base_ptr, high_ptr, rows, units, row_words, high_row_units, BITS)
+            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, units, row_words, high_row_units, BITS)
+            d0, d1, d2, d3 = _mma_step(d0, d1, d2, d3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t,
+                                       rows, rows_hi, scale_ptr, gpr,
+                                       k0 + 3 * BLOCK_K // 4, BITS, GROUP, STEP)
+            words, high = ahead
+            words_hi, high_hi = ahead_hi
+        # `_pairwise_sum`'s halving order over the tile's positions: p + 16 onto p (quarters a + c, b + d), p + 8
+        # onto p (the two sums), then within a quarter
+        out_rows = tl.reshape(row0 + g, [32])
+        tokens = tl.reshape(token0 + 2 * t, [32])
+        out = out_ptr + tokens.to(tl.int64) * stride_out + out_rows
+        ok0 = tokens < T
+        ok1 = tokens + 1 < T
+        tl.store(out, _sum_positions((a0 + c0) + (b0 + d0), G), mask=ok0 & (out_rows < N))
+        tl.store(out + stride_out, _sum_positions((a1 + c1) + (b1 + d1), G), mask=ok1 & (out_rows < N))
+        tl.store(out + 8, _sum_positions((a2 + c2) + (b2 + d2), G), mask=ok0 & (out_rows + 8 < N))
+        tl.store(out + stride_out + 8, _sum_positions((a3 + c3) + (b3 + d3), G), mask=ok1 & (out_rows + 8 < N))
+
+    @triton.jit
     def _grouped_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr, N, k_pad, row_words,
                         high_row_units, gpr, stride_x, stride_out, num_experts, BITS: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -489,9 +658,14 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     k_pad = gpr * codec.group
     if acts.blocks.shape[1] * 32 < k_pad:
         raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix {k_pad}")
-    route = route or gemv_route(k_pad, experts is not None)
-    if route not in ("token", "batch"):
+    if route is None:
+        route = gemv_route(k_pad, experts is not None)
+        if route == "batch" and tokens >= MMA_MIN_TOKENS and tensor_core_gemv(data.device):
+            route = "mma"
+    if route not in ("token", "batch", "mma"):
         raise ValueError(f"unknown GEMV route {route!r}")
+    if route == "mma" and not tensor_core_gemv(data.device):
+        raise ValueError("the mma route needs an NVIDIA GPU of compute capability 8.0 or newer (and no interpreter)")
     if route != "token" and experts is not None:
         raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
     slots = tokens if experts is None else experts.numel()
@@ -500,13 +674,20 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     elif out.shape != (slots, n) or out.stride(1) != 1 or out.device != data.device:
         raise ValueError(f"out must be a [{slots}, {n}] view with unit column stride on {data.device}, got "
                          f"{list(out.shape)} strides {out.stride()} on {out.device}")
-    block_k = block_k or gemv_block_k(k_pad, route)
+    block_k = block_k or gemv_block_k(k_pad, "token" if route == "token" else "batch")
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
+    if route == "mma" and block_k < 128:
+        raise ValueError(f"the mma route walks K tiles of at least 128 lanes, not {block_k}")
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
     common = (acts.blocks, base, high, scales, out)
     strides = (planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, acts.blocks.shape[1], out.stride(0),
                bias)
+    if route == "mma":
+        _gemv_mma_kernel[(triton.cdiv(n, 16) * triton.cdiv(tokens, 8),)](
+            *common, tokens, n, k_pad, *strides[:-1], BITS=codec.bits, GROUP=codec.group, BLOCK_K=block_k,
+            num_warps=1, **pdl_options(data.device))
+        return out
     if route == "batch":
         block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
         block_n = block_n or (256 if INTERPRETED else batch_block_n(tokens, codec.bits))
@@ -523,6 +704,14 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
                        num_warps=num_warps or default_warps, **pdl_options(data.device))
     return out
+
+
+@functools.lru_cache
+def tensor_core_gemv(device: torch.device) -> bool:
+    """Whether the batch route may run on tensor cores (`_gemv_mma_kernel`: int8 `mma.sync.m16n8k32`) on
+    `device`: NVIDIA (not ROCm) at compute capability 8.0 or newer, compiled (not the interpreter)."""
+    device = torch.device(device)
+    return ASM and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def batch_block_n(tokens: int, bits: int) -> int:
