@@ -46,6 +46,7 @@ from ninfer.kernels.activation_quant import (
     dequantize_activations,
     quantize_activations,
     quantize_activations_reference,
+    record_blocks,
 )
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 from ninfer.quant import codec_for
@@ -275,7 +276,8 @@ if triton is not None:
         # x's block records are addressed at the full [1, BN, BLOCKS, 4] shape of the products (rows broadcast):
         # their loads then take the products' layout (no shuffles between layouts in the loop; repeats hit L1)
         word = tl.arange(0, 4)[None, None, None, :]
-        x_record = x_base + (tl.arange(0, BLOCKS)[None, None, :, None] + 0 * rows[None, :, None, None]) * 12 + word
+        x_record = x_base + (tl.arange(0, BLOCKS)[None, None, :, None] + 0 * rows[None, :, None, None]) * 4 + word
+        plane = x_block_count * 4  # even quads, odd quads and meta are planes this far apart
         acc = tl.zeros((1, BLOCK_N, BLOCKS), dtype=tl.float32)
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)  # k_pad is a multiple of BLOCK_K: aligned vector loads
         words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, 0, row_words, high_row_units, gpr,
@@ -288,10 +290,10 @@ if triton is not None:
             next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
                                       row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
-            record = x_record + (k0 // 32) * 12
+            record = x_record + (k0 // 32) * 4
             dots = _dp4a(even[None], tl.load(record), 0, BITS == 8, ASM)
-            dots = _dp4a(odd[None], tl.load(record + 4), dots, BITS == 8, ASM)
-            meta = tl.load(record + 8)  # scale bits, sum, 0, 0
+            dots = _dp4a(odd[None], tl.load(record + plane), dots, BITS == 8, ASM)
+            meta = tl.load(record + 2 * plane)  # scale bits, sum, 0, 0
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
             block_dots = tl.sum(dots, axis=3)  # [1, BN, BLOCKS], exact integers
             if OFFSET:
@@ -316,8 +318,10 @@ if triton is not None:
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
         blocks = tl.arange(0, BLOCKS)[:, None, None, None]
         word = tl.arange(0, 4)[None, None, None, :]
-        # [BLOCKS, T, 1, 4] records and [BLOCKS, 1, BN, 4] weights: one layout (lanes over blocks), broadcast in place
-        x_record = x_blocks_ptr + (x_rows[None, :, None, None] * x_block_count + blocks) * 12 + word
+        # [BLOCKS, T, 1, 4] records and [BLOCKS, 1, BN, 4] weights: one layout (lanes over blocks), broadcast in place;
+        # consecutive blocks' quads are contiguous in each of the records' planes (even, odd, meta)
+        plane = x_block_count * 4
+        x_record = x_blocks_ptr + x_rows[None, :, None, None] * (3 * plane) + blocks * 4 + word
         w_rows = safe_rows[None, None, :, None]
         acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
@@ -328,10 +332,10 @@ if triton is not None:
             next_tile = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(k0 + BLOCK_K, k_last),
                                      row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
-            record = x_record + (k0 // 32) * 12
+            record = x_record + (k0 // 32) * 4
             dots = _dp4a(even, tl.load(record), 0, BITS == 8, ASM)
-            dots = _dp4a(odd, tl.load(record + 4), dots, BITS == 8, ASM)
-            meta = tl.load(record + 8)
+            dots = _dp4a(odd, tl.load(record + plane), dots, BITS == 8, ASM)
+            meta = tl.load(record + 2 * plane)
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
             block_dots = tl.sum(dots, axis=3)
             if OFFSET:
@@ -396,40 +400,37 @@ if triton is not None:
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
     @triton.jit
-    def _mma_step(acc0, acc1, acc2, acc3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t, scale_rows,
-                  scale_rows_hi, scale_ptr, gpr, k0, BITS: tl.constexpr, GROUP: tl.constexpr, STEP: tl.constexpr):
-        """STEP blocks from lane k0 on the tensor-core route (`[32, G, BPG]` tensors: the warp's lanes first, block
-        BPG·i + j of the half in register (i, j)): the blocks' exact dots through `_block_mma` on codes scaled by
-        2^(8 − BITS), then acc += dot · (w_scale · 2^(BITS − 8) · x_scale) per block position. Scaling by a power
-        of two is exact, so these are the dp4a routes' products and sums, bit for bit. acc0..3 as `_block_mma`'s
-        c0..3. Tokens past T read the last token's records (clamped addresses, no masks): only their own output
-        columns, which are not stored, see them."""
-        BPG: tl.constexpr = GROUP // 32
+    def _mma_step(acc0, acc1, acc2, acc3, words, high, words_hi, high_hi, x_quads, x_scale0, x_scale1, w_scale,
+                  w_scale_hi, record_offsets, group_offsets, plane, BITS: tl.constexpr):
+        """A warp's blocks of one K tile on the tensor-core route: the blocks' exact dots through `_block_mma` on codes
+        scaled by 2^(8 − BITS), then acc += dot · (w_scale · 2^(BITS − 8) · x_scale) per block position. Scaling by
+        a power of two is exact, so these are the dp4a routes' products and sums, bit for bit. acc0..3 as
+        `_block_mma`'s c0..3. Pointers are per lane (`x_quads`: its token's record at its unit, `x_scale0/1`: its
+        two tokens' scales, `w_scale`: its rows' scales), the blocks' offsets constants added last (immediate
+        offsets of one address per lane). Tokens past T read the last token's records (clamped addresses, no
+        masks): only their own output columns, which are not stored, see them."""
         UNSCALE: tl.constexpr = 1.0 / (1 << (8 - BITS))
         even, odd = _signed_weight_quads(words, high, BITS, True)
         even_hi, odd_hi = _signed_weight_quads(words_hi, high_hi, BITS, True)
-        record = x_base + (k0 // 32) * 12
-        x_even = tl.load(record + t)
-        x_odd = tl.load(record + 4 + t)
-        c0, c1, c2, c3 = _block_mma(even, odd, even_hi, odd_hi, x_even, x_odd)
-        scale0 = tl.load(x_scale0 + (k0 // 32) * 12).to(tl.float32, bitcast=True)
-        scale1 = tl.load(x_scale1 + (k0 // 32) * 12).to(tl.float32, bitcast=True)
-        groups = k0 // GROUP + tl.arange(0, STEP // BPG)[None, :, None]
-        w_scale = tl.load(scale_ptr + scale_rows * gpr + groups).to(tl.float32)
-        w_scale_hi = tl.load(scale_ptr + scale_rows_hi * gpr + groups).to(tl.float32)
+        c0, c1, c2, c3 = _block_mma(even, odd, even_hi, odd_hi, tl.load(x_quads + record_offsets),
+                                    tl.load(x_quads + plane + record_offsets))
+        scale0 = tl.load(x_scale0 + record_offsets).to(tl.float32, bitcast=True)
+        scale1 = tl.load(x_scale1 + record_offsets).to(tl.float32, bitcast=True)
+        row_scale = tl.load(w_scale + group_offsets).to(tl.float32)
+        row_scale_hi = tl.load(w_scale_hi + group_offsets).to(tl.float32)
         if BITS != 8:
-            w_scale = w_scale * UNSCALE
-            w_scale_hi = w_scale_hi * UNSCALE
-        acc0 += c0.to(tl.float32) * (w_scale * scale0)
-        acc1 += c1.to(tl.float32) * (w_scale * scale1)
-        acc2 += c2.to(tl.float32) * (w_scale_hi * scale0)
-        acc3 += c3.to(tl.float32) * (w_scale_hi * scale1)
+            row_scale = row_scale * UNSCALE
+            row_scale_hi = row_scale_hi * UNSCALE
+        acc0 += c0.to(tl.float32) * (row_scale * scale0)
+        acc1 += c1.to(tl.float32) * (row_scale * scale1)
+        acc2 += c2.to(tl.float32) * (row_scale_hi * scale0)
+        acc3 += c3.to(tl.float32) * (row_scale_hi * scale1)
         return acc0, acc1, acc2, acc3
 
     @triton.jit
     def _sum_positions(values, G: tl.constexpr):
         """`_pairwise_sum`'s order over the block positions of a quarter tile held as `[32, G, BPG]` (position BPG·i + j
-        in register (i, j)): i onto i − G/2 while G > 1, then the BPG pair; returns `[32]`."""
+        in element (i, j)): i onto i − G/2 while G > 1, then the BPG pair; returns `[32]`."""
         if G == 1:
             r = tl.sum(tl.sum(values, axis=2), axis=1)
         else:
@@ -440,85 +441,75 @@ if triton is not None:
     def _gemv_mma_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
                          high_row_units, gpr, x_block_count, stride_out, BITS: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """The batch route on tensor cores (sm_80+): a program (one warp) computes 16 rows × 8 tokens with one
-        int8 `mma.m16n8k32` per 32-lane block (`_block_mma`), over the batch route's K tile (BLOCK_K lanes, walked
-        in quarters, each with its own accumulators: the tile's block positions) and with its per-position sums:
-        the same bits as `_gemv_batch_kernel`. The float epilogue (per block, row and token: convert, scale
-        product, FMA) is then most of the work, not the dots."""
+        """The batch route on tensor cores (sm_80+): a program computes 16 rows × 8 tokens with one int8
+        `mma.m16n8k32` per 32-lane block (`_block_mma`). Its 4 warps split the batch route's K tile (BLOCK_K lanes)
+        in quarters, each keeping the sums of its quarter's block positions; at the end the quarters are added in
+        `_pairwise_sum`'s order over the whole tile, so the bits are `_gemv_batch_kernel`'s. Tensors are
+        `[32 lanes, 4 quarters, G, BPG]`: Triton's coalescing gives the first of equally (un)contiguous dims to the
+        lanes and the next to the warps (the lane ids' opaque addresses keep it from vectorising along the lanes),
+        and the quarter's blocks stay in registers."""
         STEP: tl.constexpr = BLOCK_K // 128  # blocks per quarter tile
         BPG: tl.constexpr = GROUP // 32  # blocks per weight scale
         G: tl.constexpr = STEP // BPG
-        STEP_UNITS: tl.constexpr = BLOCK_K // 32  # 8-lane units per quarter
-        # lanes first: Triton's coalescing gives the first of equally (un)contiguous dims to the warp's lanes, and
-        # the lane ids' opaque addresses keep it from vectorising along them — the blocks stay in registers
-        lane = _lane_ids(tl.arange(0, 32)[:, None, None])
+        lane = _lane_ids(tl.arange(0, 32)[:, None, None, None])
         g = lane // 4
         t = lane % 4
         token_tiles = tl.cdiv(T, 8)
         row0 = (tl.program_id(0) // token_tiles) * 16
         token0 = (tl.program_id(0) % token_tiles) * 8
-        blocks = tl.arange(0, G)[None, :, None] * BPG + tl.arange(0, BPG)[None, None, :]
-        records = x_blocks_ptr + blocks * 12
-        token = token0 + g  # B's column: its quads
-        x_base = records + tl.minimum(token, T - 1).to(tl.int64) * x_block_count * 12
-        # C's columns 2t, 2t + 1: their x scales
-        x_scale0 = records + tl.minimum(token0 + 2 * t, T - 1).to(tl.int64) * x_block_count * 12 + 8
-        x_scale1 = records + tl.minimum(token0 + 2 * t + 1, T - 1).to(tl.int64) * x_block_count * 12 + 8
+        quarter = tl.arange(0, 4)[None, :, None, None] * STEP  # the warp's first block in a tile
+        block = tl.arange(0, G)[None, None, :, None] * BPG + tl.arange(0, BPG)[None, None, None, :]  # in the quarter
+        record_offsets = block * 4
+        plane = x_block_count * 4  # the records' planes: even quads, odd quads, meta
+        group_offsets = block // BPG
+        unit_offsets = 4 * block
+        # per lane: B's column (token g: its quads at unit t), C's columns (tokens 2t, 2t + 1: their scales), A's
+        # rows g and g + 8 (their words at unit t and their scales)
+        token = tl.minimum(token0 + g, T - 1).to(tl.int64)
+        token_a = tl.minimum(token0 + 2 * t, T - 1).to(tl.int64)
+        token_b = tl.minimum(token0 + 2 * t + 1, T - 1).to(tl.int64)
         rows = tl.minimum(row0 + g, N - 1).to(tl.int64)
         rows_hi = tl.minimum(row0 + 8 + g, N - 1).to(tl.int64)
-        unit = 4 * blocks + t
-        zero = tl.zeros((32, G, BPG), dtype=tl.float32)
-        a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
-        c0, c1, c2, c3, d0, d1, d2, d3 = zero, zero, zero, zero, zero, zero, zero, zero
-        last = k_pad // 8 - STEP_UNITS
-        words, high = _load_units(base_ptr, high_ptr, rows, unit, row_words, high_row_units, BITS)
-        words_hi, high_hi = _load_units(base_ptr, high_ptr, rows_hi, unit, row_words, high_row_units, BITS)
+        zero = tl.zeros((32, 4, G, BPG), dtype=tl.float32)
+        acc0, acc1, acc2, acc3 = zero, zero, zero, zero
+        last = k_pad // 8 - BLOCK_K // 8
+        units = 4 * quarter + t
+        words, high = _load_units(base_ptr, high_ptr, rows, units + unit_offsets, row_words, high_row_units, BITS)
+        words_hi, high_hi = _load_units(base_ptr, high_ptr, rows_hi, units + unit_offsets, row_words, high_row_units,
+                                        BITS)
         wait_for_inputs(PDL)  # the first weight tile streams while the kernel before this one finishes
         for k0 in tl.range(0, k_pad, BLOCK_K):
-            # each quarter's weights are loaded during the quarter before (past the end, the last quarter again)
-            units = unit + (k0 // 8 + STEP_UNITS)
-            ahead = _load_units(base_ptr, high_ptr, rows, units, row_words, high_row_units, BITS)
-            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, units, row_words, high_row_units, BITS)
-            a0, a1, a2, a3 = _mma_step(a0, a1, a2, a3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t,
-                                       rows, rows_hi, scale_ptr, gpr, k0, BITS,
-                                       GROUP, STEP)
+            # the next tile's weights are loaded during this one (past the end, the last tile again)
+            ahead_units = units + tl.minimum(k0 // 8 + BLOCK_K // 8, last) + unit_offsets
+            ahead = _load_units(base_ptr, high_ptr, rows, ahead_units, row_words, high_row_units, BITS)
+            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, ahead_units, row_words, high_row_units, BITS)
+            tile_block = (k0 // 32 + quarter) * 4
+            x_quads = x_blocks_ptr + token * (3 * plane) + tile_block + t
+            x_scale0 = x_blocks_ptr + token_a * (3 * plane) + 2 * plane + tile_block
+            x_scale1 = x_blocks_ptr + token_b * (3 * plane) + 2 * plane + tile_block
+            first_group = (k0 // 32 + quarter) // BPG
+            acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, words, high, words_hi, high_hi, x_quads,
+                                               x_scale0, x_scale1, scale_ptr + rows * gpr + first_group,
+                                               scale_ptr + rows_hi * gpr + first_group, record_offsets,
+                                               group_offsets, plane, BITS)
             words, high = ahead
             words_hi, high_hi = ahead_hi
-            units = unit + (k0 // 8 + 2 * STEP_UNITS)
-            ahead = _load_units(base_ptr, high_ptr, rows, units, row_words, high_row_units, BITS)
-            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, units, row_words, high_row_units, BITS)
-            b0, b1, b2, b3 = _mma_step(b0, b1, b2, b3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t,
-                                       rows, rows_hi, scale_ptr, gpr,
-                                       k0 + BLOCK_K // 4, BITS, GROUP, STEP)
-            words, high = ahead
-            words_hi, high_hi = ahead_hi
-            units = unit + (k0 // 8 + 3 * STEP_UNITS)
-            ahead = _load_units(base_ptr, high_ptr, rows, units, row_words, high_row_units, BITS)
-            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, units, row_words, high_row_units, BITS)
-            c0, c1, c2, c3 = _mma_step(c0, c1, c2, c3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t,
-                                       rows, rows_hi, scale_ptr, gpr,
-                                       k0 + BLOCK_K // 2, BITS, GROUP, STEP)
-            words, high = ahead
-            words_hi, high_hi = ahead_hi
-            units = unit + tl.minimum(k0 // 8 + 4 * STEP_UNITS, last)
-            ahead = _load_units(base_ptr, high_ptr, rows, units, row_words, high_row_units, BITS)
-            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, units, row_words, high_row_units, BITS)
-            d0, d1, d2, d3 = _mma_step(d0, d1, d2, d3, words, high, words_hi, high_hi, x_base, x_scale0, x_scale1, t,
-                                       rows, rows_hi, scale_ptr, gpr,
-                                       k0 + 3 * BLOCK_K // 4, BITS, GROUP, STEP)
-            words, high = ahead
-            words_hi, high_hi = ahead_hi
-        # `_pairwise_sum`'s halving order over the tile's positions: p + 16 onto p (quarters a + c, b + d), p + 8
-        # onto p (the two sums), then within a quarter
-        out_rows = tl.reshape(row0 + g, [32])
-        tokens = tl.reshape(token0 + 2 * t, [32])
+        out_rows = tl.arange(0, 32) // 4 + row0  # the lanes of the sums below, in element order
+        tokens = token0 + 2 * (tl.arange(0, 32) % 4)
         out = out_ptr + tokens.to(tl.int64) * stride_out + out_rows
         ok0 = tokens < T
         ok1 = tokens + 1 < T
-        tl.store(out, _sum_positions((a0 + c0) + (b0 + d0), G), mask=ok0 & (out_rows < N))
-        tl.store(out + stride_out, _sum_positions((a1 + c1) + (b1 + d1), G), mask=ok1 & (out_rows < N))
-        tl.store(out + 8, _sum_positions((a2 + c2) + (b2 + d2), G), mask=ok0 & (out_rows + 8 < N))
-        tl.store(out + stride_out + 8, _sum_positions((a3 + c3) + (b3 + d3), G), mask=ok1 & (out_rows + 8 < N))
+        tl.store(out, _sum_quarters(acc0, G), mask=ok0 & (out_rows < N))
+        tl.store(out + stride_out, _sum_quarters(acc1, G), mask=ok1 & (out_rows < N))
+        tl.store(out + 8, _sum_quarters(acc2, G), mask=ok0 & (out_rows + 8 < N))
+        tl.store(out + stride_out + 8, _sum_quarters(acc3, G), mask=ok1 & (out_rows + 8 < N))
+
+    @triton.jit
+    def _sum_quarters(acc, G: tl.constexpr):
+        """`_pairwise_sum`'s halving order over a tile's block positions held as `[32, 4 quarters, G, BPG]`: p + 16
+        onto p (quarters 0 + 2, 1 + 3), p + 8 onto p (the two sums), then within a quarter (`_sum_positions`)."""
+        pairs = tl.sum(tl.reshape(acc, [32, 2, 2, G, acc.shape[3]]), axis=1)
+        return _sum_positions(tl.sum(pairs, axis=1), G)
 
     @triton.jit
     def _grouped_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr, N, k_pad, row_words,
@@ -656,8 +647,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     gpr = codec.groups_per_row(k)
     k_pad = gpr * codec.group
-    if acts.blocks.shape[1] * 32 < k_pad:
-        raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix {k_pad}")
+    if record_blocks(acts.blocks) * 32 < k_pad:
+        raise ValueError(f"the activation records cover {record_blocks(acts.blocks) * 32} lanes, the matrix {k_pad}")
     if route is None:
         route = gemv_route(k_pad, experts is not None)
         if route == "batch" and tokens >= MMA_MIN_TOKENS and tensor_core_gemv(data.device):
@@ -681,12 +672,12 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         raise ValueError(f"the mma route walks K tiles of at least 128 lanes, not {block_k}")
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
     common = (acts.blocks, base, high, scales, out)
-    strides = (planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, acts.blocks.shape[1], out.stride(0),
+    strides = (planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, record_blocks(acts.blocks), out.stride(0),
                bias)
     if route == "mma":
         _gemv_mma_kernel[(triton.cdiv(n, 16) * triton.cdiv(tokens, 8),)](
             *common, tokens, n, k_pad, *strides[:-1], BITS=codec.bits, GROUP=codec.group, BLOCK_K=block_k,
-            num_warps=1, **pdl_options(data.device))
+            num_warps=4, **pdl_options(data.device))
         return out
     if route == "batch":
         block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))

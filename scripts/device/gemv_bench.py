@@ -60,7 +60,7 @@ for name, n, k, fmt, gathered in SHAPES:
         plan = [(1, TOKEN_TILES[:1] + batch),
                 (8, TOKEN_TILES[:1] + batch + [("batch", 2, 1, 4), ("batch", 4, 1, 4)] + mma),
                 *((t, [("token", None, None, None), ("batch", None, None, None), ("batch", 4, 1, None),
-                       ("batch", 2, 1, 16)] + mma) for t in (2, 4, 16, 32))]
+                       ("batch", 2, 1, 16), *mma]) for t in (2, 4, 16, 32))]
     for tokens, tiles in plan:
         if token_counts and tokens not in token_counts:
             continue
