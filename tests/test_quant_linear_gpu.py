@@ -89,21 +89,3 @@ def test_grouped_expert_product_on_cuda(fmt, rows, k, x_per_pair):
         chosen = ids == expert
         expected[chosen] = inputs[chosen] @ weight[expert].T
     assert float((got.float() - expected).norm() / expected.norm()) < BF16_REL
-
-
-@pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"])
-@pytest.mark.parametrize("n, k", [(1000, 2048), (5120, 17408)])
-def test_tensor_core_route_gives_the_batch_routes_bits(fmt, n, k):
-    """The batch route on tensor cores (`route="mma"`: 16 rows × 8 tokens per program, rows and tokens past the ends
-    masked) equals the dp4a batch route bit for bit at every token count, and a token's bits do not depend on T."""
-    generator = torch.Generator(device="cuda").manual_seed(n)
-    data = codec_for(fmt).encode(torch.randn(n, k, device="cuda", generator=generator) * 0.02)
-    x = torch.randn(17, k, device="cuda", generator=generator)
-    alone = quant_linear_gemv(x[:1], data, (n, k), fmt, route="batch")
-    for tokens in (1, 2, 3, 8, 9, 16, 17):
-        batch = quant_linear_gemv(x[:tokens], data, (n, k), fmt, route="batch")
-        mma = quant_linear_gemv(x[:tokens], data, (n, k), fmt, route="mma")
-        assert torch.equal(mma, batch), f"{fmt} T={tokens}: {int((mma != batch).sum())} values differ"
-        assert torch.equal(mma[:1], alone)
-    expected = quant_linear_reference(x, data, (n, k), fmt, int8_activations=True)
-    assert float((mma - expected).norm() / expected.norm()) < FP32_REL

@@ -36,7 +36,6 @@ Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -64,8 +63,6 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 # unpacked once for all its tokens and an x record once for all its rows (tuned on the H200: docs/performance.md)
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
-# from this many tokens the batch route runs on tensor cores where it can (`tensor_core_gemv`): the same bits
-MMA_MIN_TOKENS = 2
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -251,6 +248,15 @@ if triton is not None:
         return r
 
     @triton.jit
+    def _exact_float(dots, x_sum, OFFSET: tl.constexpr):
+        """The block dot products D = dots − OFFSET · x_sum (exact int32, |D| < 2^22) as exact fp32, by the magic
+        number 1.5 · 2^23: the bits 0x4B400000 + D are the float 1.5 · 2^23 + D, from which one FADD takes
+        1.5 · 2^23. The offset and the magic bits fold into one term per token (shared by a program's rows), and
+        the conversion instruction this replaces runs at 1/8 of the FMA rate: with dp4a it bounded the GEMV at
+        several tokens (docs/performance.md)."""
+        return (dots + (0x4B400000 - OFFSET * x_sum)).to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
     def _row_and_token_tiles(N, T, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
         """A GEMV program's rows and tokens: program_id(0) = row tile · token tiles + token tile, so the token tiles
         of one row tile run side by side and the ones after the first read its weights from L2. Returns (rows,
@@ -295,10 +301,8 @@ if triton is not None:
             dots = _dp4a(odd[None], tl.load(record + plane), dots, BITS == 8, ASM)
             meta = tl.load(record + 2 * plane)  # scale bits, sum, 0, 0
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
-            block_dots = tl.sum(dots, axis=3)  # [1, BN, BLOCKS], exact integers
-            if OFFSET:
-                block_dots -= OFFSET * tl.sum(tl.where(word == 1, meta, 0), axis=3)
-            acc += block_dots.to(tl.float32) * (w_scale[None, :, :] * x_scale)
+            block_dots = _exact_float(tl.sum(dots, axis=3), tl.sum(tl.where(word == 1, meta, 0), axis=3), OFFSET)
+            acc += block_dots * (w_scale[None, :, :] * x_scale)
             words, high, w_scale = next_tile
         tl.store(out_base + rows[None, :], _pairwise_sum(acc, BLOCKS), mask=row_ok[None, :])
 
@@ -337,10 +341,8 @@ if triton is not None:
             dots = _dp4a(odd, tl.load(record + plane), dots, BITS == 8, ASM)
             meta = tl.load(record + 2 * plane)
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
-            block_dots = tl.sum(dots, axis=3)
-            if OFFSET:
-                block_dots -= OFFSET * tl.sum(tl.where(word == 1, meta, 0), axis=3)
-            acc += block_dots.to(tl.float32) * (tl.reshape(w_scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
+            block_dots = _exact_float(tl.sum(dots, axis=3), tl.sum(tl.where(word == 1, meta, 0), axis=3), OFFSET)
+            acc += block_dots * (tl.reshape(w_scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
             words, high, w_scale = next_tile
         out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
         tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
@@ -357,159 +359,6 @@ if triton is not None:
         words, high = _load_units(base_ptr, high_ptr, w_rows, unit, row_words, high_row_units, BITS)
         scale = tl.load(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP).to(tl.float32)
         return words, high, scale
-
-    @triton.jit
-    def _lane_ids(like):
-        """The hardware lane (`%laneid`) holding each element of `like` (int32, `like`'s shape): the tensor-core
-        route computes every address from it, so each lane loads the fragments its `mma` role needs whatever
-        layout Triton gives the tensors."""
-        return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True, pack=1)
-
-    @triton.jit
-    def _signed_weight_quads(words, high, BITS: tl.constexpr, ASM: tl.constexpr):
-        """The tile's weight codes as signed byte quads scaled by 2^(8 − BITS) — the code's bits moved to the top of
-        each byte, so the byte read as int8 is code · 2^(8 − BITS) with no offset to remove (`_weight_quads`'s
-        even / odd lanes, q8's bytes as they are): the tensor-core route's operand."""
-        if BITS == 8:
-            w0, w1 = tl.split(words)
-            even = _pick_bytes(w0, w1, 0x6420, ASM)
-            odd = _pick_bytes(w0, w1, 0x7531, ASM)
-        elif BITS == 4:  # (masks as int32: 0xF0F0F0F0, 0x80808080)
-            even = (words << 4) & -0x0F0F0F10
-            odd = words & -0x0F0F0F10
-        elif BITS == 5:  # bit i of the high byte is bit 4 of lane i: to bit 7 of its byte
-            even = ((words << 3) & 0x78787878) | (((high & 0x55) * 0x2082080) & -0x7F7F7F80)
-            odd = ((words >> 1) & 0x78787878) | (((high & 0xAA) * 0x1041040) & -0x7F7F7F80)
-        else:  # q6: bits 2i, 2i + 1 of the high unit are bits 4, 5 of lane i: to bits 6, 7 of its byte
-            even = ((words & 0x0F0F0F0F) | _spread_q6_pairs(high)) << 2
-            odd = (((words >> 4) & 0x0F0F0F0F) | _spread_q6_pairs(high >> 2)) << 2
-        return even, odd
-
-    @triton.jit
-    def _block_mma(w_even, w_odd, w_even_hi, w_odd_hi, x_even, x_odd):
-        """One `mma.sync.m16n8k32` (int8 in, int32 out) per element across the warp: the exact dot products of one
-        32-lane block for 16 weight rows (A, row-major: rows g and g + 8 from lane 4g + t) and 8 tokens (B: token
-        g). Lane 4g + t supplies the quads of 8-lane unit t — even lanes as k = 4t..4t+3, odd lanes as
-        k = 16 + 4t..16 + 4t + 3, the same order on both sides, so the K order inside the block does not matter —
-        and gets the dots of rows (g, g + 8) with tokens (2t, 2t + 1): c0 = (g, 2t), c1 = (g, 2t + 1),
-        c2 = (g + 8, 2t), c3 = (g + 8, 2t + 1)."""
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 z; mov.b32 z, 0; mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, "
-            "{$4, $5, $6, $7}, {$8, $9}, {z, z, z, z}; }",
-            "=r,=r,=r,=r,r,r,r,r,r,r", [w_even, w_even_hi, w_odd, w_odd_hi, x_even, x_odd],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-
-    @triton.jit
-    def _mma_step(acc0, acc1, acc2, acc3, words, high, words_hi, high_hi, x_quads, x_scale0, x_scale1, w_scale,
-                  w_scale_hi, record_offsets, group_offsets, plane, BITS: tl.constexpr):
-        """A warp's blocks of one K tile on the tensor-core route: the blocks' exact dots through `_block_mma` on codes
-        scaled by 2^(8 − BITS), then acc += dot · (w_scale · 2^(BITS − 8) · x_scale) per block position. Scaling by
-        a power of two is exact, so these are the dp4a routes' products and sums, bit for bit. acc0..3 as
-        `_block_mma`'s c0..3. Pointers are per lane (`x_quads`: its token's record at its unit, `x_scale0/1`: its
-        two tokens' scales, `w_scale`: its rows' scales), the blocks' offsets constants added last (immediate
-        offsets of one address per lane). Tokens past T read the last token's records (clamped addresses, no
-        masks): only their own output columns, which are not stored, see them."""
-        UNSCALE: tl.constexpr = 1.0 / (1 << (8 - BITS))
-        even, odd = _signed_weight_quads(words, high, BITS, True)
-        even_hi, odd_hi = _signed_weight_quads(words_hi, high_hi, BITS, True)
-        c0, c1, c2, c3 = _block_mma(even, odd, even_hi, odd_hi, tl.load(x_quads + record_offsets),
-                                    tl.load(x_quads + plane + record_offsets))
-        scale0 = tl.load(x_scale0 + record_offsets).to(tl.float32, bitcast=True)
-        scale1 = tl.load(x_scale1 + record_offsets).to(tl.float32, bitcast=True)
-        row_scale = tl.load(w_scale + group_offsets).to(tl.float32)
-        row_scale_hi = tl.load(w_scale_hi + group_offsets).to(tl.float32)
-        if BITS != 8:
-            row_scale = row_scale * UNSCALE
-            row_scale_hi = row_scale_hi * UNSCALE
-        acc0 += c0.to(tl.float32) * (row_scale * scale0)
-        acc1 += c1.to(tl.float32) * (row_scale * scale1)
-        acc2 += c2.to(tl.float32) * (row_scale_hi * scale0)
-        acc3 += c3.to(tl.float32) * (row_scale_hi * scale1)
-        return acc0, acc1, acc2, acc3
-
-    @triton.jit
-    def _sum_positions(values, G: tl.constexpr):
-        """`_pairwise_sum`'s order over the block positions of a quarter tile held as `[32, G, BPG]` (position BPG·i + j
-        in element (i, j)): i onto i − G/2 while G > 1, then the BPG pair; returns `[32]`."""
-        if G == 1:
-            r = tl.sum(tl.sum(values, axis=2), axis=1)
-        else:
-            r = _sum_positions(tl.sum(tl.reshape(values, [32, 2, G // 2, values.shape[2]]), axis=1), G // 2)
-        return r
-
-    @triton.jit
-    def _gemv_mma_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                         high_row_units, gpr, x_block_count, stride_out, BITS: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """The batch route on tensor cores (sm_80+): a program computes 16 rows × 8 tokens with one int8
-        `mma.m16n8k32` per 32-lane block (`_block_mma`). Its 4 warps split the batch route's K tile (BLOCK_K lanes)
-        in quarters, each keeping the sums of its quarter's block positions; at the end the quarters are added in
-        `_pairwise_sum`'s order over the whole tile, so the bits are `_gemv_batch_kernel`'s. Tensors are
-        `[32 lanes, 4 quarters, G, BPG]`: Triton's coalescing gives the first of equally (un)contiguous dims to the
-        lanes and the next to the warps (the lane ids' opaque addresses keep it from vectorising along the lanes),
-        and the quarter's blocks stay in registers."""
-        STEP: tl.constexpr = BLOCK_K // 128  # blocks per quarter tile
-        BPG: tl.constexpr = GROUP // 32  # blocks per weight scale
-        G: tl.constexpr = STEP // BPG
-        lane = _lane_ids(tl.arange(0, 32)[:, None, None, None])
-        g = lane // 4
-        t = lane % 4
-        token_tiles = tl.cdiv(T, 8)
-        row0 = (tl.program_id(0) // token_tiles) * 16
-        token0 = (tl.program_id(0) % token_tiles) * 8
-        quarter = tl.arange(0, 4)[None, :, None, None] * STEP  # the warp's first block in a tile
-        block = tl.arange(0, G)[None, None, :, None] * BPG + tl.arange(0, BPG)[None, None, None, :]  # in the quarter
-        record_offsets = block * 4
-        plane = x_block_count * 4  # the records' planes: even quads, odd quads, meta
-        group_offsets = block // BPG
-        unit_offsets = 4 * block
-        # per lane: B's column (token g: its quads at unit t), C's columns (tokens 2t, 2t + 1: their scales), A's
-        # rows g and g + 8 (their words at unit t and their scales)
-        token = tl.minimum(token0 + g, T - 1).to(tl.int64)
-        token_a = tl.minimum(token0 + 2 * t, T - 1).to(tl.int64)
-        token_b = tl.minimum(token0 + 2 * t + 1, T - 1).to(tl.int64)
-        rows = tl.minimum(row0 + g, N - 1).to(tl.int64)
-        rows_hi = tl.minimum(row0 + 8 + g, N - 1).to(tl.int64)
-        zero = tl.zeros((32, 4, G, BPG), dtype=tl.float32)
-        acc0, acc1, acc2, acc3 = zero, zero, zero, zero
-        last = k_pad // 8 - BLOCK_K // 8
-        units = 4 * quarter + t
-        words, high = _load_units(base_ptr, high_ptr, rows, units + unit_offsets, row_words, high_row_units, BITS)
-        words_hi, high_hi = _load_units(base_ptr, high_ptr, rows_hi, units + unit_offsets, row_words, high_row_units,
-                                        BITS)
-        wait_for_inputs(PDL)  # the first weight tile streams while the kernel before this one finishes
-        for k0 in tl.range(0, k_pad, BLOCK_K):
-            # the next tile's weights are loaded during this one (past the end, the last tile again)
-            ahead_units = units + tl.minimum(k0 // 8 + BLOCK_K // 8, last) + unit_offsets
-            ahead = _load_units(base_ptr, high_ptr, rows, ahead_units, row_words, high_row_units, BITS)
-            ahead_hi = _load_units(base_ptr, high_ptr, rows_hi, ahead_units, row_words, high_row_units, BITS)
-            tile_block = (k0 // 32 + quarter) * 4
-            x_quads = x_blocks_ptr + token * (3 * plane) + tile_block + t
-            x_scale0 = x_blocks_ptr + token_a * (3 * plane) + 2 * plane + tile_block
-            x_scale1 = x_blocks_ptr + token_b * (3 * plane) + 2 * plane + tile_block
-            first_group = (k0 // 32 + quarter) // BPG
-            acc0, acc1, acc2, acc3 = _mma_step(acc0, acc1, acc2, acc3, words, high, words_hi, high_hi, x_quads,
-                                               x_scale0, x_scale1, scale_ptr + rows * gpr + first_group,
-                                               scale_ptr + rows_hi * gpr + first_group, record_offsets,
-                                               group_offsets, plane, BITS)
-            words, high = ahead
-            words_hi, high_hi = ahead_hi
-        out_rows = tl.arange(0, 32) // 4 + row0  # the lanes of the sums below, in element order
-        tokens = token0 + 2 * (tl.arange(0, 32) % 4)
-        out = out_ptr + tokens.to(tl.int64) * stride_out + out_rows
-        ok0 = tokens < T
-        ok1 = tokens + 1 < T
-        tl.store(out, _sum_quarters(acc0, G), mask=ok0 & (out_rows < N))
-        tl.store(out + stride_out, _sum_quarters(acc1, G), mask=ok1 & (out_rows < N))
-        tl.store(out + 8, _sum_quarters(acc2, G), mask=ok0 & (out_rows + 8 < N))
-        tl.store(out + stride_out + 8, _sum_quarters(acc3, G), mask=ok1 & (out_rows + 8 < N))
-
-    @triton.jit
-    def _sum_quarters(acc, G: tl.constexpr):
-        """`_pairwise_sum`'s halving order over a tile's block positions held as `[32, 4 quarters, G, BPG]`: p + 16
-        onto p (quarters 0 + 2, 1 + 3), p + 8 onto p (the two sums), then within a quarter (`_sum_positions`)."""
-        pairs = tl.sum(tl.reshape(acc, [32, 2, 2, G, acc.shape[3]]), axis=1)
-        return _sum_positions(tl.sum(pairs, axis=1), G)
 
     @triton.jit
     def _grouped_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr, N, k_pad, row_words,
@@ -649,14 +498,9 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     k_pad = gpr * codec.group
     if record_blocks(acts.blocks) * 32 < k_pad:
         raise ValueError(f"the activation records cover {record_blocks(acts.blocks) * 32} lanes, the matrix {k_pad}")
-    if route is None:
-        route = gemv_route(k_pad, experts is not None)
-        if route == "batch" and tokens >= MMA_MIN_TOKENS and tensor_core_gemv(data.device):
-            route = "mma"
-    if route not in ("token", "batch", "mma"):
+    route = route or gemv_route(k_pad, experts is not None)
+    if route not in ("token", "batch"):
         raise ValueError(f"unknown GEMV route {route!r}")
-    if route == "mma" and not tensor_core_gemv(data.device):
-        raise ValueError("the mma route needs an NVIDIA GPU of compute capability 8.0 or newer (and no interpreter)")
     if route != "token" and experts is not None:
         raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
     slots = tokens if experts is None else experts.numel()
@@ -665,20 +509,13 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     elif out.shape != (slots, n) or out.stride(1) != 1 or out.device != data.device:
         raise ValueError(f"out must be a [{slots}, {n}] view with unit column stride on {data.device}, got "
                          f"{list(out.shape)} strides {out.stride()} on {out.device}")
-    block_k = block_k or gemv_block_k(k_pad, "token" if route == "token" else "batch")
+    block_k = block_k or gemv_block_k(k_pad, route)
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
-    if route == "mma" and block_k < 128:
-        raise ValueError(f"the mma route walks K tiles of at least 128 lanes, not {block_k}")
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
     common = (acts.blocks, base, high, scales, out)
     strides = (planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, record_blocks(acts.blocks), out.stride(0),
                bias)
-    if route == "mma":
-        _gemv_mma_kernel[(triton.cdiv(n, 16) * triton.cdiv(tokens, 8),)](
-            *common, tokens, n, k_pad, *strides[:-1], BITS=codec.bits, GROUP=codec.group, BLOCK_K=block_k,
-            num_warps=4, **pdl_options(data.device))
-        return out
     if route == "batch":
         block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
         block_n = block_n or (256 if INTERPRETED else batch_block_n(tokens, codec.bits))
@@ -695,14 +532,6 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
                        num_warps=num_warps or default_warps, **pdl_options(data.device))
     return out
-
-
-@functools.lru_cache
-def tensor_core_gemv(device: torch.device) -> bool:
-    """Whether the batch route may run on tensor cores (`_gemv_mma_kernel`: int8 `mma.sync.m16n8k32`) on
-    `device`: NVIDIA (not ROCm) at compute capability 8.0 or newer, compiled (not the interpreter)."""
-    device = torch.device(device)
-    return ASM and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def batch_block_n(tokens: int, bits: int) -> int:

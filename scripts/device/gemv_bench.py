@@ -3,9 +3,8 @@ bytes read, against the read bandwidth measured in the same run (a reduction ove
 calls (as the runner replays decode steps: no host launch cost inside), each call on a different copy of the
 matrix (copies rotate over > 256 MiB), so the 50 MiB L2 never holds the weights; x is quantized once outside the
 timed calls, as the runner shares it between matrices.
-Routes (`quant_linear_gemv(route=…)`): "token" (one token per program, the gathered MoE experts' route), "batch"
-(a tile of tokens per program, weights unpacked once for all of them) and "mma" (the batch route on tensor cores:
-16 rows × 8 tokens per program, the same bits — checked here against "batch" at every T it is timed at).
+Routes (`quant_linear_gemv(route=…)`): "token" (one token per program, the gathered MoE experts' route) and "batch"
+(a tile of tokens per program, weights unpacked once for all of them).
 Usage: python3 scripts/device/gemv_bench.py [--quick] [--only NAME-PART] [--tokens 1,8]"""
 
 import itertools
@@ -56,17 +55,15 @@ for name, n, k, fmt, gathered in SHAPES:
         plan = [(1, TOKEN_TILES)]
     else:
         batch = BATCH_TILES[1:4] if quick else BATCH_TILES
-        mma = [("mma", None, None, None)]
-        plan = [(1, TOKEN_TILES[:1] + batch),
-                (8, TOKEN_TILES[:1] + batch + [("batch", 2, 1, 4), ("batch", 4, 1, 4)] + mma),
+        plan = [(1, TOKEN_TILES[:1] + batch), (8, TOKEN_TILES[:1] + batch + [("batch", 2, 1, 4), ("batch", 4, 1, 4)]),
                 *((t, [("token", None, None, None), ("batch", None, None, None), ("batch", 4, 1, None),
-                       ("batch", 2, 1, 16), *mma]) for t in (2, 4, 16, 32))]
+                       ("batch", 2, 1, 16)]) for t in (2, 4, 16, 32))]
     for tokens, tiles in plan:
         if token_counts and tokens not in token_counts:
             continue
         acts = quantize_activations(torch.randn(1 if gathered else tokens, k, device="cuda", dtype=torch.bfloat16))
         for route, block_n, warps, block_t in tiles:
-            if route in ("batch", "mma") and default_route != "batch":
+            if route == "batch" and default_route != "batch":
                 continue
             rotation = itertools.cycle(copies)
             kwargs = dict(block_n=block_n, out_dtype=torch.bfloat16, experts=experts, expert_rows=n,
@@ -75,10 +72,6 @@ for name, n, k, fmt, gathered in SHAPES:
             def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, kwargs=kwargs):
                 return quant_linear_gemv(acts, next(rotation), shape, fmt, **kwargs)
 
-            if route == "mma":  # the same bits as the dp4a batch route
-                same = torch.equal(call(), quant_linear_gemv(acts, data, (total_rows, k), fmt, route="batch",
-                                                             out_dtype=torch.bfloat16))
-                print(f"{name:28s} T={tokens:2d} mma equals batch: {same}")
             us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
             fraction = read / (us / 1e6) / bandwidth
             key = (name, tokens)
