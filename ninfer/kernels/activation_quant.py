@@ -1,18 +1,16 @@
 """Activations as int8 for the integer GEMV (`ninfer.kernels.quant_linear.quant_linear_gemv`).
 
 Contract: x `[T, K]` (fp32 / bf16 / fp16) becomes `Int8Activations` over K padded with zeros to a multiple of
-LANE_PAD (128, as the groupwise formats pad a row) lanes, a record of three 4-word quads per block of BLOCK (32)
-lanes, each quad in its own plane — `blocks` `[T, 3, K_pad / 32, 4]` int32 (PLANES = 3):
-  * plane 0 (even quads): for the block's 8-lane units u = 0..3, the codes of lanes 8u + 0, 2, 4, 6 as the bytes
-    of word u; plane 1 (odd quads): the codes of lanes 8u + 1, 3, 5, 7. A packed 4-bit weight word's even / odd
-    nibbles, masked in place, are the matching byte quads on the weight side;
-  * plane 2 (meta): word 0 the scale s = absmax / 127 (IEEE division) as fp32 bits; word 1 Σ q over the block
-    (the GEMV removes the offset of unsigned weight codes with it); words 2, 3: zero.
+LANE_PAD (128, as the groupwise formats pad a row) lanes, one record of RECORD (12) int32 words per block of BLOCK
+(32) lanes — `blocks` `[T, K_pad / 32, 12]`:
+  * words 0–3: for the block's 8-lane units u = 0..3, the codes of lanes 8u + 0, 2, 4, 6 as the bytes of one
+    word; words 4–7: the codes of lanes 8u + 1, 3, 5, 7. A packed 4-bit weight word's even / odd nibbles, masked
+    in place, are the matching byte quads on the weight side;
+  * word 8: the scale s = absmax / 127 (IEEE division) as fp32 bits; word 9: Σ q over the block (the GEMV removes
+    the offset of unsigned weight codes with it); words 10, 11: zero.
 The codes are q = round_half_even(x / s) in [-127, 127] (0 where the block is all zeros), so x ≈ q · s per lane
-with |error| ≤ s / 2. A block's scale and sum travel beside its codes so that the GEMV loads them in the layout of
-the codes (one 16-byte load each, no shuffles between thread layouts); the planes make the quads of consecutive
-blocks contiguous, so a warp whose lanes read consecutive blocks touches 4 cache lines per load, not 12 (the L1
-traffic that bounds the GEMV at several tokens: docs/performance.md). This is the Q8_1-style activation
+with |error| ≤ s / 2. A block's scale and sum travel in its record so that the GEMV loads them in the layout of
+the codes (one 16-byte load each, no shuffles between thread layouts). This is the Q8_1-style activation
 quantization of llama.cpp's integer matrix-vector products (blocks of 32, absmax scaling), which we follow; the
 rounding is exact IEEE on both sides, so `quantize_activations` and `quantize_activations_reference` agree bit
 for bit.
@@ -35,12 +33,12 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 BLOCK = 32  # lanes per activation scale
 LANE_PAD = K_ALIGN  # K is padded as the groupwise formats pad a row (128 lanes): every weight lane meets a code
-PLANES = 3  # quads per block, each in its plane: even codes, odd codes, (scale, sum, 0, 0)
+RECORD = 12  # int32 words per block: 4 even quads, 4 odd quads, scale, sum, 2 zero
 
 
 class Int8Activations(NamedTuple):
     source: torch.Tensor  # x itself `[T, K]`, for the routes that do not take int8 activations
-    blocks: torch.Tensor  # [T, PLANES, K_pad / BLOCK, 4] int32
+    blocks: torch.Tensor  # [T, K_pad / BLOCK, RECORD] int32
 
     @property
     def shape(self) -> torch.Size:
@@ -48,11 +46,11 @@ class Int8Activations(NamedTuple):
 
     @property
     def scales(self) -> torch.Tensor:
-        return self.blocks[:, 2, :, 0].view(torch.float32)
+        return self.blocks[..., 8].view(torch.float32)
 
     @property
     def sums(self) -> torch.Tensor:
-        return self.blocks[:, 2, :, 1]
+        return self.blocks[..., 9]
 
     def rows(self, index: slice) -> Int8Activations:
         """The inputs of rows `index` (views: records of whole rows stay contiguous)."""
@@ -63,14 +61,9 @@ def padded_lanes(k: int) -> int:
     return -(-k // LANE_PAD) * LANE_PAD
 
 
-def record_blocks(records: torch.Tensor) -> int:
-    """The blocks per row of a `blocks` tensor `[T, PLANES, blocks, 4]` (the stride of its planes, in quads)."""
-    return records.shape[2]
-
-
 def empty_records(rows: int, k: int, device: torch.device) -> torch.Tensor:
     """Uninitialised `blocks` for `rows` inputs of `k` lanes, for the kernels that write them."""
-    return torch.empty((rows, PLANES, padded_lanes(k) // BLOCK, 4), dtype=torch.int32, device=device)
+    return torch.empty((rows, padded_lanes(k) // BLOCK, RECORD), dtype=torch.int32, device=device)
 
 
 def quantize_activations_reference(x: torch.Tensor) -> Int8Activations:
@@ -85,19 +78,19 @@ def quantize_activations_reference(x: torch.Tensor) -> Int8Activations:
     codes = torch.round((lanes.double() / divisors).float()).to(torch.int32)
     units = (codes & 0xFF).view(tokens, k_pad // BLOCK, 4, 8)
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=x.device)
-    blocks = torch.zeros(tokens, PLANES, k_pad // BLOCK, 4, dtype=torch.int32, device=x.device)
-    blocks[:, 0] = (units[..., 0::2] << shifts).sum(-1)
-    blocks[:, 1] = (units[..., 1::2] << shifts).sum(-1)
-    blocks[:, 2, :, 0] = scales.view(torch.int32)
-    blocks[:, 2, :, 1] = codes.sum(-1, dtype=torch.int32)
+    blocks = torch.zeros(tokens, k_pad // BLOCK, RECORD, dtype=torch.int32, device=x.device)
+    blocks[..., 0:4] = (units[..., 0::2] << shifts).sum(-1)
+    blocks[..., 4:8] = (units[..., 1::2] << shifts).sum(-1)
+    blocks[..., 8] = scales.view(torch.int32)
+    blocks[..., 9] = codes.sum(-1, dtype=torch.int32)
     return Int8Activations(x, blocks)
 
 
 def dequantize_activations(acts: Int8Activations) -> torch.Tensor:
     """q · s `[T, K_pad]` fp32: the values the integer GEMV multiplies (its oracle's input)."""
-    tokens, _, count, _ = acts.blocks.shape
+    tokens, count, _ = acts.blocks.shape
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=acts.blocks.device)
-    quads = acts.blocks[:, :2].permute(0, 2, 1, 3)  # [T, blocks, parity, unit]
+    quads = acts.blocks[..., :8].reshape(tokens, count, 2, 4)  # [T, blocks, parity, unit]
     codes = ((quads[..., None] >> shifts) & 0xFF).to(torch.uint8).view(torch.int8).to(torch.float32)
     lanes = codes.permute(0, 1, 3, 4, 2).reshape(tokens, count, BLOCK)  # lane 8u + 2i + parity
     return (lanes * acts.scales[..., None]).reshape(tokens, count * BLOCK)
@@ -123,16 +116,16 @@ if triton is not None:
         word = tl.arange(0, 4)[None, :]
         meta = tl.where(word == 0, scale.to(tl.int32, bitcast=True)[:, None],
                         tl.where(word == 1, tl.sum(codes, axis=1)[:, None], 0))
-        record = record_ptr + blocks[:, None] * 4 + word  # plane 0; planes are block_count quads apart
+        record = record_ptr + blocks[:, None] * 12 + word
         ok = (blocks < block_count)[:, None]
         tl.store(record, even, mask=ok)
-        tl.store(record + block_count * 4, odd, mask=ok)
-        tl.store(record + block_count * 8, meta, mask=ok)
+        tl.store(record + 4, odd, mask=ok)
+        tl.store(record + 8, meta, mask=ok)
 
     @triton.jit
     def store_tile_records(y, records_ptr, row, record_count, LANES: tl.constexpr):
         """The records of y, lanes [program_id(1) · LANES, (program_id(1) + 1) · LANES) of row `row` (LANES a
-        multiple of 32), at `records_ptr` `[rows, 3, record_count, 4]`: for the kernels that quantize the output
+        multiple of 32), at `records_ptr` `[rows, record_count, 12]`: for the kernels that quantize the output
         tile they have just made (`fused`, `gdn_decode`)."""
         blocks = tl.program_id(1) * (LANES // 32) + tl.arange(0, LANES // 32)
         store_records(tl.reshape(y.to(tl.float32), [LANES // 32, 32]), records_ptr + row * record_count * 12, blocks,
@@ -156,7 +149,7 @@ def quantize_activations(x: torch.Tensor) -> Int8Activations:
         x = x.contiguous()
     tokens, k = x.shape
     blocks = empty_records(tokens, k, x.device)
-    count = record_blocks(blocks)
+    count = blocks.shape[1]
     per_program = min(32, triton.next_power_of_2(count))
     _quantize_kernel[(tokens, triton.cdiv(count, per_program))](x, blocks, k, count, x.stride(0), BLOCKS=per_program,
                                                                 **pdl_options(x.device))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes, record_blocks
+from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 
 try:  # Triton is optional: the CPU path never needs it
@@ -168,7 +168,7 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
     slice_ = ELEMENTWISE_BLOCK if split else block
     _add_rms_norm_kernel[(rows, triton.cdiv(width, slice_))](  # slices are whole 128-lane units: padding covered
         x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
-        h.stride(0) if h is not None else 0, out.stride(0), eps, record_blocks(records) if quantize else 0,
+        h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
         HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
         num_warps=4 if split else max(1, min(16, block // 256)), **pdl_options(x.device))
     return total, Int8Activations(out, records) if quantize else out
@@ -183,7 +183,7 @@ def silu_mul(gate_up: Tensor, quantize: bool = False) -> Tensor | Int8Activation
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     records = empty_records(rows, inter, out.device) if quantize else out
     _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](
-        gate_up, out, records, inter, gate_up.stride(0), record_blocks(records) if quantize else 0, QUANTIZE=quantize,
+        gate_up, out, records, inter, gate_up.stride(0), records.shape[1] if quantize else 0, QUANTIZE=quantize,
         BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(gate_up.device))
     return Int8Activations(out, records) if quantize else out
 
@@ -195,7 +195,7 @@ def sigmoid_mul(x: Tensor, gate: Tensor, quantize: bool = False) -> Tensor | Int
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     records = empty_records(rows, width, out.device) if quantize else out
     _sigmoid_mul_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
-        x, gate, out, records, width, x.stride(0), gate.stride(0), record_blocks(records) if quantize else 0,
+        x, gate, out, records, width, x.stride(0), gate.stride(0), records.shape[1] if quantize else 0,
         QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(x.device))
     return Int8Activations(out, records) if quantize else out
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ninfer.kernels.activation_quant import Int8Activations, empty_records, quantize_activations, record_blocks
+from ninfer.kernels.activation_quant import Int8Activations, empty_records, quantize_activations
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 
 try:  # Triton is optional: the CPU path never needs it
@@ -296,7 +296,7 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
     round_norm_product = torch.promote_types(norm_weight.dtype, mixed.dtype) == mixed.dtype
     records_here = quantize and v_dim % 32 == 0 and block_v == v_dim
     records = empty_records(rows, width, mixed.device) if records_here else out
-    record_count = record_blocks(records) if records_here else 0
+    record_count = records.shape[1] if records_here else 0
     heads = min(NORM_HEADS, triton.next_power_of_2(v_heads))
     lanes = record_count * 32 if records_here else width  # padding blocks past the heads get zero records
     _gated_norm_kernel[(rows, triton.cdiv(lanes, heads * v_dim))](

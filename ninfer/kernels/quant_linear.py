@@ -45,7 +45,6 @@ from ninfer.kernels.activation_quant import (
     dequantize_activations,
     quantize_activations,
     quantize_activations_reference,
-    record_blocks,
 )
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 from ninfer.quant import codec_for
@@ -63,8 +62,6 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 # unpacked once for all its tokens and an x record once for all its rows (tuned on the H200: docs/performance.md)
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
-# a register cap for the batch route at several tokens (ptxas `maxnreg`; None: the compiler's choice)
-BATCH_MAX_REGISTERS = None
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -253,9 +250,9 @@ if triton is not None:
     def _exact_float(dots, x_sum, OFFSET: tl.constexpr):
         """The block dot products D = dots − OFFSET · x_sum (exact int32, |D| < 2^22) as exact fp32, by the magic
         number 1.5 · 2^23: the bits 0x4B400000 + D are the float 1.5 · 2^23 + D, from which one FADD takes
-        1.5 · 2^23. The offset and the magic bits fold into one term per token (shared by a program's rows), and
-        the conversion instruction this replaces runs at 1/8 of the FMA rate: with dp4a it bounded the GEMV at
-        several tokens (docs/performance.md)."""
+        1.5 · 2^23. The offset and the magic bits fold into one term per token (shared by a program's rows), in
+        place of an IMAD per value and the int → float conversion, an instruction that runs at 1/8 of the FMA
+        rate (docs/performance.md)."""
         return (dots + (0x4B400000 - OFFSET * x_sum)).to(tl.float32, bitcast=True) - 12582912.0
 
     @triton.jit
@@ -284,8 +281,7 @@ if triton is not None:
         # x's block records are addressed at the full [1, BN, BLOCKS, 4] shape of the products (rows broadcast):
         # their loads then take the products' layout (no shuffles between layouts in the loop; repeats hit L1)
         word = tl.arange(0, 4)[None, None, None, :]
-        x_record = x_base + (tl.arange(0, BLOCKS)[None, None, :, None] + 0 * rows[None, :, None, None]) * 4 + word
-        plane = x_block_count * 4  # even quads, odd quads and meta are planes this far apart
+        x_record = x_base + (tl.arange(0, BLOCKS)[None, None, :, None] + 0 * rows[None, :, None, None]) * 12 + word
         acc = tl.zeros((1, BLOCK_N, BLOCKS), dtype=tl.float32)
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)  # k_pad is a multiple of BLOCK_K: aligned vector loads
         words, high, w_scale = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, 0, row_words, high_row_units, gpr,
@@ -298,10 +294,10 @@ if triton is not None:
             next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
                                       row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
-            record = x_record + (k0 // 32) * 4
+            record = x_record + (k0 // 32) * 12
             dots = _dp4a(even[None], tl.load(record), 0, BITS == 8, ASM)
-            dots = _dp4a(odd[None], tl.load(record + plane), dots, BITS == 8, ASM)
-            meta = tl.load(record + 2 * plane)  # scale bits, sum, 0, 0
+            dots = _dp4a(odd[None], tl.load(record + 4), dots, BITS == 8, ASM)
+            meta = tl.load(record + 8)  # scale bits, sum, 0, 0
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
             block_dots = _exact_float(tl.sum(dots, axis=3), tl.sum(tl.where(word == 1, meta, 0), axis=3), OFFSET)
             acc += block_dots * (w_scale[None, :, :] * x_scale)
@@ -324,10 +320,8 @@ if triton is not None:
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
         blocks = tl.arange(0, BLOCKS)[:, None, None, None]
         word = tl.arange(0, 4)[None, None, None, :]
-        # [BLOCKS, T, 1, 4] records and [BLOCKS, 1, BN, 4] weights: one layout (lanes over blocks), broadcast in place;
-        # consecutive blocks' quads are contiguous in each of the records' planes (even, odd, meta)
-        plane = x_block_count * 4
-        x_record = x_blocks_ptr + x_rows[None, :, None, None] * (3 * plane) + blocks * 4 + word
+        # [BLOCKS, T, 1, 4] records and [BLOCKS, 1, BN, 4] weights: one layout (lanes over blocks), broadcast in place
+        x_record = x_blocks_ptr + (x_rows[None, :, None, None] * x_block_count + blocks) * 12 + word
         w_rows = safe_rows[None, None, :, None]
         acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
@@ -338,10 +332,10 @@ if triton is not None:
             next_tile = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(k0 + BLOCK_K, k_last),
                                      row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
-            record = x_record + (k0 // 32) * 4
+            record = x_record + (k0 // 32) * 12
             dots = _dp4a(even, tl.load(record), 0, BITS == 8, ASM)
-            dots = _dp4a(odd, tl.load(record + plane), dots, BITS == 8, ASM)
-            meta = tl.load(record + 2 * plane)
+            dots = _dp4a(odd, tl.load(record + 4), dots, BITS == 8, ASM)
+            meta = tl.load(record + 8)
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
             block_dots = _exact_float(tl.sum(dots, axis=3), tl.sum(tl.where(word == 1, meta, 0), axis=3), OFFSET)
             acc += block_dots * (tl.reshape(w_scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
@@ -477,16 +471,14 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                       block_n: int | None = None, block_k: int | None = None, out_dtype: torch.dtype | None = None,
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
                       num_warps: int | None = None, out: torch.Tensor | None = None,
-                      route: str | None = None, block_t: int | None = None,
-                      max_registers: int | None = None) -> torch.Tensor:
+                      route: str | None = None, block_t: int | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
     a wider buffer). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the result is
     `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `route` ("token" or "batch"; default
     `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per
-    program of the batch route (default BATCH_TOKENS); `max_registers`: its register cap (default
-    BATCH_MAX_REGISTERS beyond one token)."""
+    program of the batch route (default BATCH_TOKENS)."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     codec, base, high, scales, planes = _planes(data, shape, fmt)
@@ -500,8 +492,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     gpr = codec.groups_per_row(k)
     k_pad = gpr * codec.group
-    if record_blocks(acts.blocks) * 32 < k_pad:
-        raise ValueError(f"the activation records cover {record_blocks(acts.blocks) * 32} lanes, the matrix {k_pad}")
+    if acts.blocks.shape[1] * 32 < k_pad:
+        raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix {k_pad}")
     route = route or gemv_route(k_pad, experts is not None)
     if route not in ("token", "batch"):
         raise ValueError(f"unknown GEMV route {route!r}")
@@ -518,16 +510,14 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
     common = (acts.blocks, base, high, scales, out)
-    strides = (planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, record_blocks(acts.blocks), out.stride(0),
+    strides = (planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, acts.blocks.shape[1], out.stride(0),
                bias)
     if route == "batch":
         block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
         block_n = block_n or (256 if INTERPRETED else batch_block_n(tokens, codec.bits))
-        max_registers = max_registers or (BATCH_MAX_REGISTERS if tokens > 1 and not INTERPRETED else None)
         _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](
             *common, tokens, n, k_pad, *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
-            BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 1, **pdl_options(data.device),
-            **({"maxnreg": max_registers} if max_registers else {}))
+            BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 1, **pdl_options(data.device))
         return out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
