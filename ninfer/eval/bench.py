@@ -37,6 +37,9 @@ class Limits:
     dtype: str
 
 
+LIMIT_REPEATS = 21  # timed calls per limit (the median is reported)
+
+
 @dataclass
 class BenchReport:
     model: str
@@ -49,17 +52,26 @@ class BenchReport:
     peak_memory_bytes: int = 0
 
 
-
 def _timed(device: torch.device, work, repeats: int = 5) -> float:
-    """Median seconds of `work()` after one warm-up call."""
+    """Median seconds of `work()` after one warm-up call. On CUDA each call is timed by device events around it, so
+    no host launch or synchronisation time enters a short measurement (host timing of the 0.25 ms bandwidth read
+    spread by 8 % between two runs on one H200, docs/performance.md); elsewhere by the host clock."""
     work()
     synchronize(device)
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        synchronize(device)
-        times.append(time.perf_counter() - started)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            work()
+            synchronize(device)
+            times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2]
 
 
@@ -70,13 +82,13 @@ def measure_limits(device: torch.device, dtype: torch.dtype) -> Limits:
     n = 8192 if gpu else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    seconds = _timed(device, lambda: a @ b)
+    seconds = _timed(device, lambda: a @ b, repeats=LIMIT_REPEATS)
     return Limits(str(device), bandwidth, 2 * n**3 / seconds, str(dtype).removeprefix("torch."))
 
 
 def _read_bandwidth(device: torch.device, nbytes: int) -> float:
     buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    return nbytes / _timed(device, buffer.sum)
+    return nbytes / _timed(device, buffer.sum, repeats=LIMIT_REPEATS)
 
 
 def _state_bytes(llm: LLM, length: int) -> int:

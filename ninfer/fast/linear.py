@@ -2,7 +2,8 @@
 
 Routes (chosen by the format, the number of tokens T and what x is):
   * groupwise (q4/q5/q6/q8), x given as `Int8Activations` (`shared_input`: decode and verify steps, T ≤ 64): the
-    integer Triton GEMV, which reads the packed planes once (from 6 tokens on the tensor cores, the same bits);
+    integer Triton GEMV, which reads the packed planes once (the batch route: each weight tile unpacked once
+    for up to 8 tokens; a token's bits do not depend on T);
     an input read by several matrices is quantized once;
   * groupwise, x a tensor (prefill, any T): dequantize into a shared scratch buffer, then cuBLAS (the matmul
     dominates); stacked MoE experts go through the grouped kernel in one launch;
