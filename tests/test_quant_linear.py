@@ -91,6 +91,22 @@ def test_gemv_equals_the_reference(fmt, tokens, n, k, block_k):
     assert float((got - exact).norm() / exact.norm()) < 0.015
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_holds_the_largest_block_dot_products_exactly(fmt):
+    """Every weight code at its largest magnitude (both signs, the most negative one included) against activations
+    of code ±127 whose signs match or oppose the row's: the block dots reach their extremes (q8: 32 · 127 · 128),
+    which the GEMV turns into floats by the magic number 1.5 · 2^23 (exact below 2^22 in magnitude)."""
+    k, generator = 2048, torch.Generator().manual_seed(7)
+    signs = torch.where(torch.rand(4, k, generator=generator) < 0.5, -1.0, 1.0)
+    weight = torch.cat([signs, -signs, signs.abs(), -signs.abs()])  # ±max codes; all-negative rows hit -2^(b-1)
+    data = codec_for(fmt).encode(weight).to(DEVICE)
+    x = torch.cat([signs[:2], -signs[2:]]).to(DEVICE) * 3.0  # every block's absmax: codes ±127
+    expected = quant_linear_reference(x, data, weight.shape, fmt, int8_activations=True)
+    for route in ("token", "batch"):
+        got = quant_linear_gemv(x, data, weight.shape, fmt, route=route, block_k=1024)
+        assert _relative(got, expected) < RELATIVE_TOLERANCE, f"{fmt} {route}"
+
+
 def _fenced(tensor: torch.Tensor, fence: int) -> torch.Tensor:
     """`tensor` copied into the middle of a buffer whose other bytes are all `fence` (NaN bit patterns): a kernel
     that reads past either end picks them up."""
