@@ -54,8 +54,9 @@ class BenchReport:
 
 def _timed(device: torch.device, work, repeats: int = 5) -> float:
     """Median seconds of `work()` after one warm-up call. On CUDA each call is timed by device events around it, so
-    no host launch or synchronisation time enters a short measurement (host timing of the 0.25 ms bandwidth read
-    spread by 8 % between two runs on one H200, docs/performance.md); elsewhere by the host clock."""
+    no host launch or synchronisation time enters a short measurement (timed by the host clock, the 0.25 ms
+    bandwidth read gave 3.78 and 4.11 TB/s in two runs on one H200: docs/performance.md); elsewhere by the host
+    clock."""
     work()
     synchronize(device)
     times = []
