@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
-from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS
+from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, row_tile
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -36,9 +36,7 @@ if triton is not None:
     def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        rows, row_ok, safe_rows = row_tile(tl.program_id(0), N, BLOCK_N)
         token = tl.program_id(1).to(tl.int64)
         lanes = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

@@ -115,6 +115,13 @@ if triton is not None:
         return words, high, scale
 
     @triton.jit
+    def row_tile(tile, N, BLOCK_N: tl.constexpr):
+        """The rows of row tile `tile`, whether each is < N (the store masks), and the rows clamped into [0, N) as
+        int64 (for unmasked, vectorisable loads)."""
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rows, rows < N, tl.minimum(rows, N - 1).to(tl.int64)
+
+    @triton.jit
     def gemv_rows(x_ptr, out_ptr, expert_ptr, N, T, stride_x, stride_out, BLOCK_N: tl.constexpr,
                   GATHER: tl.constexpr, X_PER_SLOT: tl.constexpr):
         """The output rows of a GEMV program and where they live: (rows, row_ok, safe_rows clamped into [0, N) for
@@ -122,10 +129,7 @@ if triton is not None:
         GATHER, program_id(0) = row tile · T + token: the T programs of a row tile run side by side, so the ones
         after the first read its weights from L2. With GATHER, program_id(0) is the row tile and program_id(1) an
         output slot, whose expert `expert_ptr[slot]` offsets the weight rows by expert · N."""
-        tile = tl.program_id(0) if GATHER else tl.program_id(0) // T
-        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        rows, row_ok, safe_rows = row_tile(tl.program_id(0) if GATHER else tl.program_id(0) // T, N, BLOCK_N)
         if GATHER:
             slot = tl.program_id(1)
             wrows = tl.load(expert_ptr + slot).to(tl.int64) * N + safe_rows
@@ -261,10 +265,9 @@ if triton is not None:
         of one row tile run side by side and the ones after the first read its weights from L2. Returns (rows,
         row_ok, safe_rows clamped into [0, N) for unmasked, vectorisable loads, tokens)."""
         token_tiles = tl.cdiv(T, BLOCK_T)
-        rows = (tl.program_id(0) // token_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        rows, row_ok, safe_rows = row_tile(tl.program_id(0) // token_tiles, N, BLOCK_N)
         tokens = (tl.program_id(0) % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
-        return rows, rows < N, safe_rows, tokens
+        return rows, row_ok, safe_rows, tokens
 
     @triton.jit
     def _gemv_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
@@ -366,9 +369,7 @@ if triton is not None:
         WORDS: tl.constexpr = BLOCK_K // LPW
         WPG: tl.constexpr = GROUP // LPW  # words per group (8 in every format)
         NG: tl.constexpr = BLOCK_K // GROUP
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
+        rows, row_ok, safe_rows = row_tile(tl.program_id(0), N, BLOCK_N)
         w_idx = tl.arange(0, WORDS)
         tokens = tl.arange(0, BLOCK_T)
         tile = tl.program_id(1)  # a tile of BLOCK_T (token, expert) pairs that share one expert
