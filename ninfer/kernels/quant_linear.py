@@ -62,13 +62,9 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 # unpacked once for all its tokens and an x record once for all its rows (tuned on the H200: docs/performance.md)
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
-# matrices of fewer rows than SPLIT_ROWS and K of at least SPLIT_K lanes (27B mlp/down, gdn/output) have too few row
-# tiles to keep enough weight bytes in flight at one warp per program: the batch route walks their K in tiles of
-# 2 · BATCH_BLOCK_K lanes, for one token on two warps (a half each; for more tokens on one, two blocks a lane: the
-# same bits). Measured on the H200 (docs/performance.md): down at one token 21.0 → 18.6 µs; a shorter K (5,120)
-# got slower, and two warps at 8 tokens 3–4× slower
+# matrices of fewer rows than this have too few row tiles to keep enough weight bytes in flight at one warp per
+# program: the batch route walks their K in tiles of 2 · BATCH_BLOCK_K lanes on two warps (a half each)
 SPLIT_ROWS = 8192
-SPLIT_K = 6144
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -467,12 +463,12 @@ def _block_k(k_pad: int) -> int:
 
 def gemv_block_k(k_pad: int, route: str = "token", rows: int = SPLIT_ROWS) -> int:
     """The integer GEMV's K tile: on the batch route where BATCH_BLOCK_K divides the padded K, BATCH_BLOCK_K lanes
-    (one 32-lane block per lane of a warp), or twice that for a matrix of fewer than SPLIT_ROWS `rows` and K of at
-    least SPLIT_K lanes (the last tile may be half empty); else the widest of 512, 256, 128, 64 lanes dividing K
-    (512 measured best for the token route on the H200, docs/performance.md). It depends on the matrix and route
-    only, never on the token count, so that every token's result is the same bits at any T."""
+    (one 32-lane block per lane of a warp), or twice that on two warps for a matrix of fewer than SPLIT_ROWS
+    `rows` and K of at least two tiles (the last tile may be half empty); else the widest of 512, 256, 128, 64
+    lanes dividing K (512 measured best for the token route on the H200, docs/performance.md). It depends on the
+    matrix and route only, never on the token count, so that every token's result is the same bits at any T."""
     if route == "batch" and k_pad % BATCH_BLOCK_K == 0:
-        return 2 * BATCH_BLOCK_K if rows < SPLIT_ROWS and k_pad >= SPLIT_K else BATCH_BLOCK_K
+        return 2 * BATCH_BLOCK_K if rows < SPLIT_ROWS and k_pad >= 2 * BATCH_BLOCK_K else BATCH_BLOCK_K
     return next(b for b in (512, 256, 128, 64) if k_pad % b == 0)
 
 
@@ -530,11 +526,11 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     if route == "batch":
         block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
         interpreted_n = 256 if block_k <= BATCH_BLOCK_K else 128
-        block_n = block_n or (interpreted_n if INTERPRETED else batch_block_n(tokens, codec.bits, block_k))
+        block_n = block_n or (interpreted_n if INTERPRETED else batch_block_n(tokens, codec.bits))
         _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](
             *common, tokens, n, k_pad, *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
             BLOCK_K=block_k, BLOCK_T=block_t, RAGGED=k_pad % block_k != 0, ASM=ASM,
-            num_warps=num_warps or (max(1, block_k // BATCH_BLOCK_K) if tokens == 1 else 1), **pdl_options(data.device))
+            num_warps=num_warps or max(1, block_k // BATCH_BLOCK_K), **pdl_options(data.device))
         return out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
@@ -547,11 +543,10 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     return out
 
 
-def batch_block_n(tokens: int, bits: int, block_k: int = BATCH_BLOCK_K) -> int:
-    """Rows per program of the batch route: 2 for one token, for q5 matrices and for K tiles wider than one warp's
-    (two blocks a lane), else 4 (the H200 sweep's best at T = 1, 2, 4, 8, 16; docs/performance.md). Rows never
-    change a result's bits."""
-    return 2 if tokens == 1 or bits == 5 or block_k > BATCH_BLOCK_K else 4
+def batch_block_n(tokens: int, bits: int) -> int:
+    """Rows per program of the batch route: 2 for one token and for q5 matrices, else 4 (the H200 sweep's best at
+    T = 1, 2, 4, 8, 16; docs/performance.md). Rows never change a result's bits."""
+    return 2 if tokens == 1 or bits == 5 else 4
 
 
 def group_pairs(expert_ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
