@@ -62,9 +62,6 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 # unpacked once for all its tokens and an x record once for all its rows (tuned on the H200: docs/performance.md)
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
-# matrices of fewer rows than this have too few row tiles to keep enough weight bytes in flight at one warp per
-# program: the batch route walks their K in tiles of 2 · BATCH_BLOCK_K lanes on two warps (a half each)
-SPLIT_ROWS = 8192
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -221,8 +218,10 @@ if triton is not None:
             high = words
         else:
             words = tl.load(base_ptr + rows * row_words + unit)
-            # (q6's sign-extended bits above 15 never reach `_weight_quads`'s masks)
-            high = tl.load(high_ptr + rows * high_row_units + unit).to(tl.int32) if BITS == 5 or BITS == 6 else words
+            if BITS == 5 or BITS == 6:
+                high = tl.load(high_ptr + rows * high_row_units + unit).to(tl.int32) & (0xFF if BITS == 5 else 0xFFFF)
+            else:
+                high = words
         return words, high
 
     @triton.jit
@@ -312,44 +311,35 @@ if triton is not None:
     def _gemv_batch_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
                             high_row_units, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr,
                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                            RAGGED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                            ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route: BLOCK_T tokens × BLOCK_N rows per program. Every tensor is block-major ([BLOCKS, …, 4]
-        with the 4 words of a block's units last), and Triton's layout then puts the blocks across the warps' lanes
+        with the 4 words of a block's units last), and Triton's layout then puts the blocks across the warp's lanes
         and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
         `[BLOCKS, 1, BN, 4]` broadcast in place (checked with `scripts/compile_kernels.py --resources`: no shared
-        memory or shuffles in the loop, one block per lane). With RAGGED, k_pad need not be a multiple of BLOCK_K: the
-        blocks of the last tile past k_pad read the last block again (clamped addresses keep the loads vectorised)
-        and count zero, their x scale replaced by 0."""
+        memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         rows, row_ok, safe_rows, tokens = _row_and_token_tiles(N, T, BLOCK_N, BLOCK_T)
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
         blocks = tl.arange(0, BLOCKS)[:, None, None, None]
         word = tl.arange(0, 4)[None, None, None, :]
-        last_block = k_pad // 32 - 1
         # [BLOCKS, T, 1, 4] records and [BLOCKS, 1, BN, 4] weights: one layout (lanes over blocks), broadcast in place
-        x_record = x_blocks_ptr + x_rows[None, :, None, None] * x_block_count * 12 + word
+        x_record = x_blocks_ptr + (x_rows[None, :, None, None] * x_block_count + blocks) * 12 + word
         w_rows = safe_rows[None, None, :, None]
         acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
-        words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(blocks, last_block),
-                                            row_words, high_row_units, gpr, BITS, GROUP)
+        k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
+        words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, 0, row_words, high_row_units, gpr,
+                                            BITS, GROUP, BLOCK_K)
         wait_for_inputs(PDL)  # the first weight tile streams while the kernel before this one finishes
         for k0 in tl.range(0, k_pad, BLOCK_K):
-            kb = k0 // 32 + blocks  # the tile's blocks, the next tile's are kb + BLOCKS
-            if RAGGED:  # past the end, every block reads the last block
-                ahead = tl.minimum(kb + BLOCKS, last_block)
-            else:  # past the end, the last tile reloads itself
-                ahead = tl.minimum(k0 // 32 + BLOCKS, last_block + 1 - BLOCKS) + blocks
-            next_tile = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, ahead, row_words, high_row_units, gpr,
-                                     BITS, GROUP)
+            next_tile = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(k0 + BLOCK_K, k_last),
+                                     row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
-            record = x_record + (tl.minimum(kb, last_block) if RAGGED else kb) * 12
+            record = x_record + (k0 // 32) * 12
             dots = _dp4a(even, tl.load(record), 0, BITS == 8, ASM)
             dots = _dp4a(odd, tl.load(record + 4), dots, BITS == 8, ASM)
             meta = tl.load(record + 8)
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
-            if RAGGED:
-                x_scale = tl.where(tl.reshape(kb, [BLOCKS, 1, 1]) <= last_block, x_scale, 0.0)
             block_dots = _exact_float(tl.sum(dots, axis=3), tl.sum(tl.where(word == 1, meta, 0), axis=3), OFFSET)
             acc += block_dots * (tl.reshape(w_scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
             words, high, w_scale = next_tile
@@ -357,15 +347,16 @@ if triton is not None:
         tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
 
     @triton.jit
-    def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, kb, row_words, high_row_units, gpr, BITS: tl.constexpr,
-                     GROUP: tl.constexpr):
-        """`_load_weights` block-major, for the batch route: of the rows `w_rows` `[1, 1, BN, 1]` and the 32-lane
-        blocks `kb` `[BLOCKS, 1, 1, 1]` (block b = lanes 32b..32b + 31), the base words `[BLOCKS, 1, BN, 4]` (q8:
-        `[…, 4, 2]`), the high units as int32 (the words again without a high plane) and the scales
-        `[BLOCKS, 1, BN, 1]` fp32."""
-        unit = 4 * kb + tl.arange(0, 4)[None, None, None, :]
+    def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_units, gpr, BITS: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_load_weights` block-major, for the batch route: base words `[BLOCKS, 1, BN, 4]` (q8: `[…, 4, 2]`), the
+        high units as int32 (the words again without a high plane) and the scales `[BLOCKS, 1, BN, 1]` fp32 of the
+        rows `w_rows` `[1, 1, BN, 1]`."""
+        BLOCKS: tl.constexpr = BLOCK_K // 32
+        blocks = tl.arange(0, BLOCKS)[:, None, None, None]
+        unit = k0 // 8 + 4 * blocks + tl.arange(0, 4)[None, None, None, :]
         words, high = _load_units(base_ptr, high_ptr, w_rows, unit, row_words, high_row_units, BITS)
-        scale = tl.load(scale_ptr + w_rows * gpr + (32 * kb) // GROUP).to(tl.float32)
+        scale = tl.load(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP).to(tl.float32)
         return words, high, scale
 
     @triton.jit
@@ -461,14 +452,13 @@ def _block_k(k_pad: int) -> int:
     return next(b for b in (256, 128) if k_pad % b == 0)
 
 
-def gemv_block_k(k_pad: int, route: str = "token", rows: int = SPLIT_ROWS) -> int:
-    """The integer GEMV's K tile: on the batch route where BATCH_BLOCK_K divides the padded K, BATCH_BLOCK_K lanes
-    (one 32-lane block per lane of a warp), or twice that on two warps for a matrix of fewer than SPLIT_ROWS
-    `rows` and K of at least two tiles (the last tile may be half empty); else the widest of 512, 256, 128, 64
-    lanes dividing K (512 measured best for the token route on the H200, docs/performance.md). It depends on the
-    matrix and route only, never on the token count, so that every token's result is the same bits at any T."""
+def gemv_block_k(k_pad: int, route: str = "token") -> int:
+    """The integer GEMV's K tile: BATCH_BLOCK_K lanes on the batch route where it divides the padded K (one 32-lane
+    block per lane of a warp), else the widest of 512, 256, 128, 64 lanes dividing it (512 measured best for the
+    token route on the H200, docs/performance.md). It depends on the matrix and route only, never on the token
+    count, so that every token's result is the same bits at any T."""
     if route == "batch" and k_pad % BATCH_BLOCK_K == 0:
-        return 2 * BATCH_BLOCK_K if rows < SPLIT_ROWS and k_pad >= 2 * BATCH_BLOCK_K else BATCH_BLOCK_K
+        return BATCH_BLOCK_K
     return next(b for b in (512, 256, 128, 64) if k_pad % b == 0)
 
 
@@ -516,8 +506,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     elif out.shape != (slots, n) or out.stride(1) != 1 or out.device != data.device:
         raise ValueError(f"out must be a [{slots}, {n}] view with unit column stride on {data.device}, got "
                          f"{list(out.shape)} strides {out.stride()} on {out.device}")
-    block_k = block_k or gemv_block_k(k_pad, route, n)
-    if k_pad % block_k and (route == "token" or block_k % BATCH_BLOCK_K):
+    block_k = block_k or gemv_block_k(k_pad, route)
+    if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
     common = (acts.blocks, base, high, scales, out)
@@ -525,12 +515,10 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                bias)
     if route == "batch":
         block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
-        interpreted_n = 256 if block_k <= BATCH_BLOCK_K else 128
-        block_n = block_n or (interpreted_n if INTERPRETED else batch_block_n(tokens, codec.bits))
+        block_n = block_n or (256 if INTERPRETED else batch_block_n(tokens, codec.bits))
         _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](
             *common, tokens, n, k_pad, *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
-            BLOCK_K=block_k, BLOCK_T=block_t, RAGGED=k_pad % block_k != 0, ASM=ASM,
-            num_warps=num_warps or max(1, block_k // BATCH_BLOCK_K), **pdl_options(data.device))
+            BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 1, **pdl_options(data.device))
         return out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)

@@ -37,12 +37,9 @@ SHAPES = [  # (name, N, K, fmt, experts gathered)
 quick = "--quick" in sys.argv
 only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
 token_counts = {int(t) for t in sys.argv[sys.argv.index("--tokens") + 1].split(",")} if "--tokens" in sys.argv else None
-# (route, BLOCK_N, warps, tokens per program, K tile); None = the route's default
-TOKEN_TILES = [("token", 2, 1, None, None), ("token", 4, 2, None, None)]
-BATCH_TILES = [("batch", n, w, None, None)
-               for n, w in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (16, 4))]
-# the batch route's K tile: one warp on 1,024 lanes, or two on 2,048 (the default below SPLIT_ROWS rows)
-SPLIT_TILES = [("batch", None, 1, None, 1024), ("batch", None, 2, None, 2048)]
+# (route, BLOCK_N, warps, tokens per program); None = the route's default
+TOKEN_TILES = [("token", 2, 1, None), ("token", 4, 2, None)]
+BATCH_TILES = [("batch", n, w, None) for n, w in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (16, 4))]
 best = {}
 for name, n, k, fmt, gathered in SHAPES:
     if only not in name:
@@ -57,21 +54,20 @@ for name, n, k, fmt, gathered in SHAPES:
     if gathered:
         plan = [(1, TOKEN_TILES)]
     else:
-        batch = (BATCH_TILES[1:4] if quick else BATCH_TILES) + SPLIT_TILES
-        plan = [(1, TOKEN_TILES[:1] + batch),
-                (8, TOKEN_TILES[:1] + batch + [("batch", 2, 1, 4, None), ("batch", 4, 1, 4, None)]),
-                *((t, [("token", None, None, None, None), ("batch", None, None, None, None),
-                       ("batch", 4, 1, None, None), ("batch", 2, 1, 16, None)]) for t in (2, 4, 16, 32))]
+        batch = BATCH_TILES[1:4] if quick else BATCH_TILES
+        plan = [(1, TOKEN_TILES[:1] + batch), (8, TOKEN_TILES[:1] + batch + [("batch", 2, 1, 4), ("batch", 4, 1, 4)]),
+                *((t, [("token", None, None, None), ("batch", None, None, None), ("batch", 4, 1, None),
+                       ("batch", 2, 1, 16)]) for t in (2, 4, 16, 32))]
     for tokens, tiles in plan:
         if token_counts and tokens not in token_counts:
             continue
         acts = quantize_activations(torch.randn(1 if gathered else tokens, k, device="cuda", dtype=torch.bfloat16))
-        for route, block_n, warps, block_t, block_k in tiles:
+        for route, block_n, warps, block_t in tiles:
             if route == "batch" and default_route != "batch":
                 continue
             rotation = itertools.cycle(copies)
             kwargs = dict(block_n=block_n, out_dtype=torch.bfloat16, experts=experts, expert_rows=n,
-                          x_per_slot=gathered or 1, num_warps=warps, route=route, block_t=block_t, block_k=block_k)
+                          x_per_slot=gathered or 1, num_warps=warps, route=route, block_t=block_t)
 
             def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, kwargs=kwargs):
                 return quant_linear_gemv(acts, next(rotation), shape, fmt, **kwargs)
@@ -79,8 +75,7 @@ for name, n, k, fmt, gathered in SHAPES:
             us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
             fraction = read / (us / 1e6) / bandwidth
             key = (name, tokens)
-            tile = (f"{route} BN={block_n or 'default'} warps={warps or 'default'} "
-                    f"tokens/program={block_t or 'default'} K tile={block_k or 'default'}")
+            tile = f"{route} BN={block_n or 'default'} warps={warps or 'default'} tokens/program={block_t or 'default'}"
             if key not in best or fraction > best[key][0]:
                 best[key] = (fraction, us, tile)
             print(f"{name:28s} T={tokens:2d} {tile}: {us:8.1f} us {fraction:5.0%} of the limit", flush=True)
