@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.activation_quant import quantize_activations
-from ninfer.kernels.quant_linear import _planes, quant_linear_gemv, quant_linear_reference
+from ninfer.kernels.quant_linear import _exact_float, _planes, quant_linear_gemv, quant_linear_reference
 from ninfer.quant import codec_for
 
 
@@ -40,13 +40,9 @@ def _mma(a0, a1, a2, a3, b0, b1):
 
 
 @triton.jit
-def _exact(c):
-    """An int32 |c| < 2^22 as the exact fp32, by the magic number 1.5 · 2^23."""
-    return (c + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-
-
-@triton.jit
 def _block(acc0, acc1, acc2, acc3, wg, wh, rec, xs0, xs1, ws_g, ws_h, t):
+    """One block of the pair: its codes from the words of rows g (wg) and g + 8 (wh), x's quads from token g's record
+    `rec`, the x scales of tokens 2t, 2t + 1 at xs0, xs1; acc += exact dot · (w scale · x scale)."""
     even_g = (wg << 4) & -0x0F0F0F10  # the two's-complement nibble in a byte's top half: code · 16 as int8
     even_h = (wh << 4) & -0x0F0F0F10
     odd_g = wg & -0x0F0F0F10
@@ -54,10 +50,10 @@ def _block(acc0, acc1, acc2, acc3, wg, wh, rec, xs0, xs1, ws_g, ws_h, t):
     c0, c1, c2, c3 = _mma(even_g, even_h, odd_g, odd_h, tl.load(rec + t), tl.load(rec + 4 + t))
     scale0 = tl.load(xs0).to(tl.float32, bitcast=True)
     scale1 = tl.load(xs1).to(tl.float32, bitcast=True)
-    acc0 += _exact(c0) * (ws_g * scale0)
-    acc1 += _exact(c1) * (ws_g * scale1)
-    acc2 += _exact(c2) * (ws_h * scale0)
-    acc3 += _exact(c3) * (ws_h * scale1)
+    acc0 += _exact_float(c0, 0, 0) * (ws_g * scale0)
+    acc1 += _exact_float(c1, 0, 0) * (ws_g * scale1)
+    acc2 += _exact_float(c2, 0, 0) * (ws_h * scale0)
+    acc3 += _exact_float(c3, 0, 0) * (ws_h * scale1)
     return acc0, acc1, acc2, acc3
 
 
