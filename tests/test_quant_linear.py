@@ -148,6 +148,22 @@ def test_gemv_gives_a_token_the_same_bits_at_any_token_count(fmt, k):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_batch_pipeline_changes_no_bit(fmt, tokens):
+    """The batch route's tiles loaded ahead and K tiles per loop turn (`depth`, `unroll`) move loads, not sums:
+    every choice gives the same bits, equal to the oracle within rounding. Three K tiles: the unrolled loop has a
+    tile over, and the tile two ahead runs past the end."""
+    n, k = 9, 3072
+    data, generator = _matrix(fmt, n, k, tokens + 11)
+    x = torch.randn(tokens, k, generator=generator).to(DEVICE)
+    expected = quant_linear_gemv(x, data, (n, k), fmt, route="batch", depth=1, unroll=1)
+    assert _relative(expected, quant_linear_reference(x, data, (n, k), fmt, int8_activations=True)) < RELATIVE_TOLERANCE
+    for depth, unroll in ((2, 1), (1, 2), (2, 2)):
+        got = quant_linear_gemv(x, data, (n, k), fmt, route="batch", depth=depth, unroll=unroll)
+        assert torch.equal(got, expected), f"depth {depth}, unroll {unroll}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("tokens", "n", "k"), [(2, 40, 130), (7, 33, 1024), (16, 70, 640), (37, 20, 256)])
 def test_both_routes_give_the_same_bits_at_the_same_k_tile(fmt, tokens, n, k):
     """The token route (one token per program) and the batch route (weights unpacked once for a tile of tokens)

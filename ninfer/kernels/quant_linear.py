@@ -309,14 +309,16 @@ if triton is not None:
 
     @triton.jit
     def _gemv_batch_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                            high_row_units, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr,
+                            high_row_words, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr,
                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                            ASM: tl.constexpr, PDL: tl.constexpr):
+                            DEPTH: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route: BLOCK_T tokens × BLOCK_N rows per program. Every tensor is block-major ([BLOCKS, …, 4]
         with the 4 words of a block's units last), and Triton's layout then puts the blocks across the warp's lanes
         and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
         `[BLOCKS, 1, BN, 4]` broadcast in place (checked with `scripts/compile_kernels.py --resources`: no shared
-        memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp)."""
+        memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp). DEPTH (1 or 2) weight
+        tiles are loaded ahead, kept as loaded until used; the K loop is unrolled UNROLL times (2: the tile loaded
+        ahead lands in the registers it is used from, where a loop-carried copy would wait for the load)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         rows, row_ok, safe_rows, tokens = _row_and_token_tiles(N, T, BLOCK_N, BLOCK_T)
@@ -328,36 +330,83 @@ if triton is not None:
         w_rows = safe_rows[None, None, :, None]
         acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
-        words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, 0, row_words, high_row_units, gpr,
-                                            BITS, GROUP, BLOCK_K)
-        wait_for_inputs(PDL)  # the first weight tile streams while the kernel before this one finishes
-        for k0 in tl.range(0, k_pad, BLOCK_K):
-            next_tile = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(k0 + BLOCK_K, k_last),
-                                     row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
-            even, odd = _weight_quads(words, high, bias, BITS, ASM)
+        words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, 0, row_words, high_row_words, gpr,
+                                            BITS, GROUP, BLOCK_K, ASM)
+        if DEPTH == 2:  # a second tile in flight (the last tile again when there is one tile)
+            words2, high2, w_scale2 = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(BLOCK_K, k_last),
+                                                   row_words, high_row_words, gpr, BITS, GROUP, BLOCK_K, ASM)
+        wait_for_inputs(PDL)  # the first weight tiles stream while the kernel before this one finishes
+        for k0 in tl.range(0, k_pad, BLOCK_K, loop_unroll_factor=UNROLL):
+            # the tile DEPTH tiles ahead is loaded before this tile's arithmetic (past the end, the last tile again):
+            # weight bytes in flight per warp, which bound the few-row, long-K matrices at one token
+            next_tile = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(k0 + DEPTH * BLOCK_K, k_last),
+                                     row_words, high_row_words, gpr, BITS, GROUP, BLOCK_K, ASM)
+            units, scale = _block_units(high, w_scale, BITS)
+            even, odd = _weight_quads(words, units, bias, BITS, ASM)
             record = x_record + (k0 // 32) * 12
             dots = _dp4a(even, tl.load(record), 0, BITS == 8, ASM)
             dots = _dp4a(odd, tl.load(record + 4), dots, BITS == 8, ASM)
             meta = tl.load(record + 8)
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
             block_dots = _exact_float(tl.sum(dots, axis=3), tl.sum(tl.where(word == 1, meta, 0), axis=3), OFFSET)
-            acc += block_dots * (tl.reshape(w_scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
-            words, high, w_scale = next_tile
+            acc += block_dots * (tl.reshape(scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
+            if DEPTH == 2:
+                words, high, w_scale = words2, high2, w_scale2
+                words2, high2, w_scale2 = next_tile
+            else:
+                words, high, w_scale = next_tile
         out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
         tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
 
     @triton.jit
-    def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_units, gpr, BITS: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-        """`_load_weights` block-major, for the batch route: base words `[BLOCKS, 1, BN, 4]` (q8: `[…, 4, 2]`), the
-        high units as int32 (the words again without a high plane) and the scales `[BLOCKS, 1, BN, 1]` fp32 of the
-        rows `w_rows` `[1, 1, BN, 1]`."""
+    def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_words, gpr, BITS: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+        """A tile of the batch route as loaded, nothing converted (a tile loaded ahead then stays in its load
+        registers until it is used; `_block_units` converts it), for the rows `w_rows` `[1, 1, BN, 1]`: base words
+        `[BLOCKS, 1, BN, 4]` (q8: `[…, 4, 2]`); the high plane (`high_ptr` as int32 words) `[BLOCKS, 1, BN, 4]`,
+        for unit u the word that holds its high bits (q5: the block's one word of 4 high bytes, q6: word u // 2 of
+        the block's two), the words again without a high plane; the scales' fp16 bits `[BLOCKS, 1, BN, 1]`
+        (`scale_ptr` as int16)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         blocks = tl.arange(0, BLOCKS)[:, None, None, None]
         unit = k0 // 8 + 4 * blocks + tl.arange(0, 4)[None, None, None, :]
-        words, high = _load_units(base_ptr, high_ptr, w_rows, unit, row_words, high_row_units, BITS)
-        scale = tl.load(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP).to(tl.float32)
+        if BITS == 8:
+            words = tl.load(base_ptr + tl.expand_dims(w_rows * row_words + 2 * unit, -1) + tl.arange(0, 2))
+        else:
+            words = tl.load(base_ptr + w_rows * row_words + unit)
+        if BITS == 5 or BITS == 6:  # q5: a block's one high word for each unit; q6: word u // 2 for unit u
+            u = tl.arange(0, 4)[None, None, None, :]
+            word = blocks + 0 * u if BITS == 5 else 2 * blocks + u // 2
+            high = _load_bits(high_ptr + w_rows * high_row_words + k0 // (32 if BITS == 5 else 16) + word, 32, ASM)
+        else:
+            high = words
+        scale = _load_bits(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP, 16, ASM)
         return words, high, scale
+
+    @triton.jit
+    def _load_bits(ptrs, BITS: tl.constexpr, ASM: tl.constexpr):
+        """The BITS-bit (16 or 32) integers at `ptrs` (read-only data), zero-extended to int32 on NVIDIA GPUs,
+        through an inline `ld.global.nc`, which the compiler neither vectorizes nor unpacks: a vector load of a
+        tensor contiguous along the blocks would take another layout (and shuffles), and unpacking a loaded
+        vector into its elements would wait for the load where it is issued, not where it is used. Repeated
+        addresses merge into one load. Elsewhere `tl.load` (the pointer's type)."""
+        if ASM:
+            words = tl.inline_asm_elementwise(f"ld.global.nc.u{BITS} $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+        else:
+            words = tl.load(ptrs)
+        return words
+
+    @triton.jit
+    def _block_units(high, scale, BITS: tl.constexpr):
+        """A tile from `_load_blocks`: its high units `[BLOCKS, 1, BN, 4]` int32 (q5: a byte, q6: 16 bits per 8-lane
+        unit; `high` itself without a high plane) and its scales as fp32."""
+        unit = tl.arange(0, 4)[None, None, None, :]
+        if BITS == 5:
+            high = (high >> (8 * unit)) & 0xFF
+        elif BITS == 6:
+            high = (high >> (16 * (unit % 2))) & 0xFFFF
+        return high, scale.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _grouped_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr, N, k_pad, row_words,
@@ -472,14 +521,16 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                       block_n: int | None = None, block_k: int | None = None, out_dtype: torch.dtype | None = None,
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
                       num_warps: int | None = None, out: torch.Tensor | None = None,
-                      route: str | None = None, block_t: int | None = None) -> torch.Tensor:
+                      route: str | None = None, block_t: int | None = None,
+                      depth: int | None = None, unroll: int | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
     a wider buffer). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the result is
     `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `route` ("token" or "batch"; default
     `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per
-    program of the batch route (default BATCH_TOKENS)."""
+    program of the batch route (default BATCH_TOKENS); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
+    per turn of its loop, 1 or 2 each (default `batch_pipeline`). None of them changes a result's bits."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     codec, base, high, scales, planes = _planes(data, shape, fmt)
@@ -516,9 +567,13 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     if route == "batch":
         block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
         block_n = block_n or (256 if INTERPRETED else batch_block_n(tokens, codec.bits))
-        _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](
-            *common, tokens, n, k_pad, *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
-            BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 1, **pdl_options(data.device))
+        default_depth, default_unroll = batch_pipeline(tokens, n, k_pad, codec.bits)
+        high_words = (high.view(torch.int32), planes[1].row_bytes // 4) if len(planes) == 3 else (high, 0)
+        _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](  # planes as `_load_blocks` reads
+            acts.blocks, base, high_words[0], scales.view(torch.int16), out, tokens, n, k_pad, strides[0],
+            high_words[1], *strides[2:], BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k,
+            BLOCK_T=block_t, DEPTH=depth or default_depth, UNROLL=unroll or default_unroll, ASM=ASM,
+            num_warps=num_warps or 1, **pdl_options(data.device))
         return out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
@@ -529,6 +584,19 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                        GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
                        num_warps=num_warps or default_warps, **pdl_options(data.device))
     return out
+
+
+def batch_pipeline(tokens: int, rows: int, k_pad: int, bits: int) -> tuple[int, int]:
+    """(depth, unroll) of the batch route: the weight tiles it loads ahead (1 or 2) and the K tiles per turn of its
+    loop (1 or 2). Few programs (up to 8,192 rows at one token, 12,288 at 4 tokens or more) keep too few weight
+    bytes in flight per SM; a second tile ahead helps them, and at one token only when the loop is unrolled, so
+    that the tile lands in the registers it is used from (the long-K ones: K ≥ 6,144). Elsewhere (gate/up, the head,
+    2-3 tokens, q8 at 4 tokens or more) one tile ahead measured best; unrolling costs more tokens their registers.
+    From the H200 sweep (`scripts/device/gemv_bench.py --depth 1,2 --unroll 1,2`, docs/performance.md). Neither
+    changes the bits."""
+    if tokens == 1:
+        return (2, 2) if rows <= 8192 and k_pad >= 6144 else (1, 1)
+    return (2, 1) if tokens >= 4 and rows <= 12288 and bits != 8 else (1, 1)
 
 
 def batch_block_n(tokens: int, bits: int) -> int:

@@ -5,7 +5,9 @@ matrix (copies rotate over > 256 MiB), so the 50 MiB L2 never holds the weights;
 timed calls, as the runner shares it between matrices.
 Routes (`quant_linear_gemv(route=…)`): "token" (one token per program, the gathered MoE experts' route) and "batch"
 (a tile of tokens per program, weights unpacked once for all of them).
-Usage: python3 scripts/device/gemv_bench.py [--quick] [--only NAME-PART] [--tokens 1,8]"""
+With `--depth 1,2` and / or `--unroll 1,2` the batch route runs its default tile with each count of weight tiles
+loaded ahead (`depth`) and of K tiles per turn of its loop (`unroll`) instead of the tile sweep.
+Usage: python3 scripts/device/gemv_bench.py [--quick] [--only NAME-PART] [--tokens 1,8] [--depth 1,2] [--unroll 1,2]"""
 
 import itertools
 import sys
@@ -37,6 +39,13 @@ SHAPES = [  # (name, N, K, fmt, experts gathered)
 quick = "--quick" in sys.argv
 only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
 token_counts = {int(t) for t in sys.argv[sys.argv.index("--tokens") + 1].split(",")} if "--tokens" in sys.argv else None
+
+
+def _ints(flag: str) -> list[int | None]:
+    return [int(v) for v in sys.argv[sys.argv.index(flag) + 1].split(",")] if flag in sys.argv else [None]
+
+
+variants = list(itertools.product(_ints("--depth"), _ints("--unroll")))  # (depth, unroll); None = the default
 # (route, BLOCK_N, warps, tokens per program); None = the route's default
 TOKEN_TILES = [("token", 2, 1, None), ("token", 4, 2, None)]
 BATCH_TILES = [("batch", n, w, None) for n, w in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (16, 4))]
@@ -53,6 +62,8 @@ for name, n, k, fmt, gathered in SHAPES:
     default_route = gemv_route(codec.groups_per_row(k) * codec.group, bool(gathered))
     if gathered:
         plan = [(1, TOKEN_TILES)]
+    elif variants != [(None, None)]:
+        plan = [(t, [("batch", None, None, None)]) for t in (1, 8, 2, 4, 16, 32)]
     else:
         batch = BATCH_TILES[1:4] if quick else BATCH_TILES
         plan = [(1, TOKEN_TILES[:1] + batch), (8, TOKEN_TILES[:1] + batch + [("batch", 2, 1, 4), ("batch", 4, 1, 4)]),
@@ -62,12 +73,14 @@ for name, n, k, fmt, gathered in SHAPES:
         if token_counts and tokens not in token_counts:
             continue
         acts = quantize_activations(torch.randn(1 if gathered else tokens, k, device="cuda", dtype=torch.bfloat16))
-        for route, block_n, warps, block_t in tiles:
-            if route == "batch" and default_route != "batch":
+        for (route, block_n, warps, block_t), (depth, unroll) in itertools.product(tiles, variants):
+            if (route == "batch" and default_route != "batch") or (route == "token" and variants != [(None, None)]):
                 continue
             rotation = itertools.cycle(copies)
             kwargs = dict(block_n=block_n, out_dtype=torch.bfloat16, experts=experts, expert_rows=n,
                           x_per_slot=gathered or 1, num_warps=warps, route=route, block_t=block_t)
+            if route == "batch":
+                kwargs.update(depth=depth, unroll=unroll)
 
             def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, kwargs=kwargs):
                 return quant_linear_gemv(acts, next(rotation), shape, fmt, **kwargs)
@@ -76,6 +89,7 @@ for name, n, k, fmt, gathered in SHAPES:
             fraction = read / (us / 1e6) / bandwidth
             key = (name, tokens)
             tile = f"{route} BN={block_n or 'default'} warps={warps or 'default'} tokens/program={block_t or 'default'}"
+            tile += "" if route == "token" else f" depth={depth or 'default'} unroll={unroll or 'default'}"
             if key not in best or fraction > best[key][0]:
                 best[key] = (fraction, us, tile)
             print(f"{name:28s} T={tokens:2d} {tile}: {us:8.1f} us {fraction:5.0%} of the limit", flush=True)
