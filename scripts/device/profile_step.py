@@ -1,11 +1,15 @@
 """Where a fast-path step's time goes: per-kernel CUDA time of eager decode steps (batch 1 and 8) and of one
 prefill chunk on a 4-layer slice of a preset (the same kernels at the real widths), plus the graph-replayed step
-time. Usage: python3 scripts/device/profile_step.py PRESET [PROMPT_TOKENS]"""
+time and the kernels of one graph-replayed step in launch order (start offset and duration of each, to hold a
+GEMV's time inside the step against its time in `gemv_bench.py`; with programmatic dependent launch a kernel's span
+starts when it is scheduled, before the kernel ahead has finished, so run with NINFER_PDL=0 for serial spans).
+Usage: python3 scripts/device/profile_step.py PRESET [PROMPT_TOKENS]"""
 
 import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from ninfer.artifact.reader import Artifact
@@ -41,6 +45,16 @@ for batch in (1, 8):
         model.decode_batch(states, tokens)
     torch.cuda.synchronize()
     print(f"graph step batch {batch}: {(time.perf_counter() - started) / 20 * 1e3:.3f} ms (4 layers + head)")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            model.decode_batch(states, tokens)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    step = kernels[len(kernels) // 2 :]  # the second replay
+    print(f"== graph-replayed step, batch {batch}: {len(step)} kernels, offset from the first one's start, duration ==")
+    for event in step:
+        print(f"  {event.time_range.start - step[0].time_range.start:9.1f} us {event.time_range.elapsed_us():7.1f} us "
+              f"{event.name[:90]}")
     del states, state  # a sequence's slot and pages go back when its last reference goes
 state = model.new_state(prompt + 32)
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
