@@ -209,19 +209,24 @@ if triton is not None:
         return even, odd
 
     @triton.jit
-    def _load_units(base_ptr, high_ptr, rows, unit, row_words, high_row_units, BITS: tl.constexpr):
+    def _load_base_words(base_ptr, rows, unit, row_words, BITS: tl.constexpr):
         """The base words of weight rows `rows` at 8-lane units `unit` (index tensors that broadcast to the tile's
-        shape; q8 adds a last axis for its two words per unit) and the high units as int32 (q5: a byte, q6: 16
-        bits; the words again without a high plane, unused)."""
+        shape; q8 adds a last axis for its two words per unit)."""
         if BITS == 8:
             words = tl.load(base_ptr + tl.expand_dims(rows * row_words + 2 * unit, -1) + tl.arange(0, 2))
-            high = words
         else:
             words = tl.load(base_ptr + rows * row_words + unit)
-            if BITS == 5 or BITS == 6:
-                high = tl.load(high_ptr + rows * high_row_units + unit).to(tl.int32) & (0xFF if BITS == 5 else 0xFFFF)
-            else:
-                high = words
+        return words
+
+    @triton.jit
+    def _load_units(base_ptr, high_ptr, rows, unit, row_words, high_row_units, BITS: tl.constexpr):
+        """`_load_base_words` and the high units as int32 (q5: a byte, q6: 16 bits; the words again without a high
+        plane, unused)."""
+        words = _load_base_words(base_ptr, rows, unit, row_words, BITS)
+        if BITS == 5 or BITS == 6:
+            high = tl.load(high_ptr + rows * high_row_units + unit).to(tl.int32) & (0xFF if BITS == 5 else 0xFFFF)
+        else:
+            high = words
         return words, high
 
     @triton.jit
@@ -370,10 +375,7 @@ if triton is not None:
         BLOCKS: tl.constexpr = BLOCK_K // 32
         blocks = tl.arange(0, BLOCKS)[:, None, None, None]
         unit = k0 // 8 + 4 * blocks + tl.arange(0, 4)[None, None, None, :]
-        if BITS == 8:
-            words = tl.load(base_ptr + tl.expand_dims(w_rows * row_words + 2 * unit, -1) + tl.arange(0, 2))
-        else:
-            words = tl.load(base_ptr + w_rows * row_words + unit)
+        words = _load_base_words(base_ptr, w_rows, unit, row_words, BITS)
         if BITS == 5 or BITS == 6:  # q5: a block's one high word for each unit; q6: word u // 2 for unit u
             u = tl.arange(0, 4)[None, None, None, :]
             word = blocks + 0 * u if BITS == 5 else 2 * blocks + u // 2
@@ -561,27 +563,28 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     if k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
     bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
-    common = (acts.blocks, base, high, scales, out)
-    strides = (planes[0].row_bytes // 4, _high_row_units(codec, planes), gpr, acts.blocks.shape[1], out.stride(0),
-               bias)
+    row_words, x_blocks = planes[0].row_bytes // 4, acts.blocks.shape[1]
     if route == "batch":
         block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
         block_n = block_n or (256 if INTERPRETED else batch_block_n(tokens, codec.bits))
         default_depth, default_unroll = batch_pipeline(tokens, n, k_pad, codec.bits)
-        high_words = (high.view(torch.int32), planes[1].row_bytes // 4) if len(planes) == 3 else (high, 0)
-        _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](  # planes as `_load_blocks` reads
-            acts.blocks, base, high_words[0], scales.view(torch.int16), out, tokens, n, k_pad, strides[0],
-            high_words[1], *strides[2:], BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k,
-            BLOCK_T=block_t, DEPTH=depth or default_depth, UNROLL=unroll or default_unroll, ASM=ASM,
+        # `_load_blocks` reads the high plane as int32 words and the scales as their fp16 bits
+        high_words, high_row_words = (high.view(torch.int32), planes[1].row_bytes // 4) if len(planes) == 3 \
+            else (high, 0)
+        _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](
+            acts.blocks, base, high_words, scales.view(torch.int16), out, tokens, n, k_pad, row_words, high_row_words,
+            gpr, x_blocks, out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
+            BLOCK_K=block_k, BLOCK_T=block_t, DEPTH=depth or default_depth, UNROLL=unroll or default_unroll, ASM=ASM,
             num_warps=num_warps or 1, **pdl_options(data.device))
         return out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
     block_n = block_n or default_n
     grid = (triton.cdiv(n, block_n) * (1 if experts is not None else tokens), slots if experts is not None else 1)
-    _gemv_kernel[grid](*common, experts if experts is not None else base, tokens if experts is None else 1, n, k_pad,
-                       *strides, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k,
-                       GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
+    _gemv_kernel[grid](acts.blocks, base, high, scales, out, experts if experts is not None else base,
+                       tokens if experts is None else 1, n, k_pad, row_words, _high_row_units(codec, planes), gpr,
+                       x_blocks, out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
+                       BLOCK_K=block_k, GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
                        num_warps=num_warps or default_warps, **pdl_options(data.device))
     return out
 

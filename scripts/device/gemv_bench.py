@@ -46,6 +46,7 @@ def _ints(flag: str) -> list[int | None]:
 
 
 variants = list(itertools.product(_ints("--depth"), _ints("--unroll")))  # (depth, unroll); None = the default
+pipeline_sweep = variants != [(None, None)]  # then the batch route's default tile only, at each (depth, unroll)
 # (route, BLOCK_N, warps, tokens per program); None = the route's default
 TOKEN_TILES = [("token", 2, 1, None), ("token", 4, 2, None)]
 BATCH_TILES = [("batch", n, w, None) for n, w in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (16, 4))]
@@ -62,7 +63,7 @@ for name, n, k, fmt, gathered in SHAPES:
     default_route = gemv_route(codec.groups_per_row(k) * codec.group, bool(gathered))
     if gathered:
         plan = [(1, TOKEN_TILES)]
-    elif variants != [(None, None)]:
+    elif pipeline_sweep:
         plan = [(t, [("batch", None, None, None)]) for t in (1, 8, 2, 4, 16, 32)]
     else:
         batch = BATCH_TILES[1:4] if quick else BATCH_TILES
@@ -74,7 +75,7 @@ for name, n, k, fmt, gathered in SHAPES:
             continue
         acts = quantize_activations(torch.randn(1 if gathered else tokens, k, device="cuda", dtype=torch.bfloat16))
         for (route, block_n, warps, block_t), (depth, unroll) in itertools.product(tiles, variants):
-            if (route == "batch" and default_route != "batch") or (route == "token" and variants != [(None, None)]):
+            if (route == "batch" and default_route != "batch") or (route == "token" and pipeline_sweep):
                 continue
             rotation = itertools.cycle(copies)
             kwargs = dict(block_n=block_n, out_dtype=torch.bfloat16, experts=experts, expert_rows=n,
