@@ -111,6 +111,32 @@ def test_graph_replay_equals_eager_decode(kv_dtype):
         assert torch.equal(logits[graphed], logits[eager])
 
 
+def test_a_decode_step_with_ids_on_the_device_never_waits_for_the_device():
+    """Greedy decode with the sampled ids left on the device: no step synchronises with the host (torch's sync
+    debug mode raises on any synchronising call), so the host can queue the next step while this one runs; the
+    logits equal those of the same steps fed the ids from the host."""
+    with Artifact.open(DEMO) as artifact:
+        model = FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=512)
+    prompts = [torch.arange(5, 40, device="cuda"), torch.arange(100, 110, device="cuda")]
+    runs = []
+    for on_device in (True, False):
+        states = [model.new_state(256) for _ in prompts]
+        tokens = torch.stack([model.forward(p, s) for p, s in zip(prompts, states, strict=True)]).argmax(-1)
+        model.decode_batch(states, tokens)  # the first call captures the graph (which synchronises)
+        steps = []
+        torch.cuda.set_sync_debug_mode("error" if on_device else "default")
+        try:
+            for _ in range(4):
+                logits = model.decode_batch(states, tokens if on_device else tokens.cpu())
+                tokens = logits.argmax(-1)
+                steps.append(logits)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        runs.append(torch.stack(steps))
+        del states
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_long_greedy_generation_equals_the_reference():
     """200 greedy tokens of the fast path (bf16 KV pages, graphs) equal the reference's, both in fp32 with exact
     activations: the KV cache, the GDN state and the positions stay right over a long generation. (With int8

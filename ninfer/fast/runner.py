@@ -245,13 +245,23 @@ class FastQwen35:
             if state.pending:
                 raise ValueError("accept the verify step before decoding on")
         bucket = next(b for b in self.buckets if b >= batch)
-        host = torch.zeros((3, bucket), dtype=torch.int32)
-        host[0, :batch] = ids.view(-1).cpu().to(torch.int32)
+        # no host sync in a step: slots and lengths travel from pinned memory without blocking (the caching host
+        # allocator keeps the buffer until its copy has run), and ids already on the device (the last step's
+        # sampled tokens) are copied there in stream order, so the host can queue the next step at once
+        host = torch.zeros((3, bucket), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        ids = ids.view(-1)
+        if ids.numel() != batch:
+            raise ValueError(f"{ids.numel()} ids for {batch} sequences")
+        on_device = self.device.type != "cpu" and ids.device.type == self.device.type
+        if not on_device:
+            host[0, :batch] = ids.to(torch.int32)
         host[1, :] = self.cache.scratch_slot
         host[1, :batch] = torch.tensor([s.slot for s in states], dtype=torch.int32)
         host[2, :] = 1
         host[2, :batch] = torch.tensor([s.length + 1 for s in states], dtype=torch.int32)
-        self.inputs[:, :bucket].copy_(host)
+        self.inputs[:, :bucket].copy_(host, non_blocking=True)
+        if on_device:
+            self.inputs[0, :batch].copy_(ids)
         if self.use_graphs:
             graph, logits = self._graph(bucket)
             graph.replay()
