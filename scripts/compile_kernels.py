@@ -56,7 +56,8 @@ class _Recorder:
 
 def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict, dict]:
     """Triton's signature, constexprs and attributes for the recorded values, specialised as a launch would be:
-    tensors and integers divisible by 16 are declared so (`tt.divisibility`), which decides vector loads."""
+    tensors and integers divisible by 16 are declared so (`tt.divisibility`), which decides vector loads, and
+    integers equal to 1 become constants, which decides layouts (a unit stride makes a dimension contiguous)."""
     signature, constexprs, attrs = {}, {}, {}
     aligned = [["tt.divisibility", 16]]
     for index, param in enumerate(kernel.params):
@@ -69,6 +70,9 @@ def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict, di
             attrs[(index,)] = aligned
         elif isinstance(value, bool):
             signature[param.name] = "i1"
+        elif isinstance(value, int) and value == 1:  # a launch makes an integer equal to 1 a constant (unit strides)
+            signature[param.name] = "constexpr"
+            constexprs[(index,)] = value
         elif isinstance(value, int):
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value % 16 == 0:
@@ -102,6 +106,7 @@ def _record_all() -> None:
     fp8_linear.fp8_linear_gemv(x, fp8, (64, 512))
     fp8_linear.fp8_linear_gemv(x.repeat(4, 1), fp8, (64, 512))
     dense_linear.dense_linear_gemv(x.repeat(3, 1), torch.randn(40, 512, dtype=torch.bfloat16))
+    dense_linear.dense_linear_gemv(x.repeat(3, 1), torch.randn(40, 512, dtype=torch.bfloat16), pairwise=True)
     h = torch.randn(2, 256, dtype=torch.bfloat16)
     fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6)
     fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6, quantize=True)
@@ -124,6 +129,13 @@ def _record_all() -> None:
                                   torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
                                   torch.zeros(6, v_heads, k_dim, v_dim), slots, k_heads, k_dim, v_heads, v_dim, 1e-6,
                                   tokens=2, snapshot_slots=snapshots, quantize=True)
+    gdn_decode.gated_delta_decode(torch.randn(1, channels, dtype=torch.bfloat16),  # a/b in the kernel (one row)
+                                  torch.randn(1, v_heads * v_dim, dtype=torch.bfloat16),
+                                  (torch.randn(1, 5120, dtype=torch.bfloat16),
+                                   torch.randn(2 * v_heads, 5120, dtype=torch.bfloat16)), torch.randn(v_heads),
+                                  torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
+                                  torch.zeros(6, v_heads, k_dim, v_dim), slots[:1], k_heads, k_dim, v_heads, v_dim,
+                                  1e-6, quantize=True)
     del mixed
     heads, kv_heads, head_dim = 24, 4, 256
     query_key = torch.randn(2, (heads + kv_heads) * head_dim, dtype=torch.bfloat16)

@@ -17,12 +17,13 @@ DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
 
 
 @pytest.mark.parametrize(("tokens", "n", "k"), [(1, 8, 256), (3, 70, 300), (16, 257, 1000)])
-def test_dense_gemv_equals_the_float64_product(tokens, n, k):
+@pytest.mark.parametrize("pairwise", [False, True])  # tl.sum, or the fixed tree of `pairwise_row_sum`
+def test_dense_gemv_equals_the_float64_product(tokens, n, k, pairwise):
     generator = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=generator).to(DEVICE, DTYPE)
     x = torch.randn(tokens, k, generator=generator).to(DEVICE, DTYPE)
     expected = x.double() @ weight.double().T
-    got = dense_linear_gemv(x, weight)
+    got = dense_linear_gemv(x, weight, pairwise=pairwise)
     assert got.shape == (tokens, n) and got.dtype == torch.float32
     assert float((got.double() - expected).abs().max() / expected.abs().max()) < 1e-5
     assert dense_linear_gemv(x, weight, out_dtype=torch.bfloat16).dtype == torch.bfloat16
@@ -42,3 +43,5 @@ def test_dense_gemv_refuses_what_it_does_not_do():
         dense_linear_gemv(torch.randn(65, 64), torch.randn(8, 64))
     with pytest.raises(ValueError, match="the same K"):
         dense_linear_gemv(torch.randn(2, 64), torch.randn(8, 32))
+    with pytest.raises(ValueError, match="pairwise sum takes K"):
+        dense_linear_gemv(torch.randn(2, 8193), torch.randn(8, 8193), pairwise=True)

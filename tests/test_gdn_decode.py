@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.conv1d import causal_conv1d
+from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_recurrent, l2_normalize
 from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
@@ -76,10 +77,12 @@ def reference_gdn(mixed: torch.Tensor, z: torch.Tensor, a_b: torch.Tensor, a_log
 
 
 def decode_and_compare(d: Dims, slots: list[int], pool: int, steps: int, dtype: torch.dtype, device: str,
-                       out_tol: Tolerance, state_tol: Tolerance, slot_dtype: torch.dtype = torch.int64) -> None:
+                       out_tol: Tolerance, state_tol: Tolerance, slot_dtype: torch.dtype = torch.int64,
+                       ab_in_kernel: bool = False) -> None:
     """`steps` decode steps of B = len(slots) rows through both paths, the state pools carried: each step the
     conv outputs, the GDN outputs (both fed the kernel's conv output) and the pools must agree, the conv windows
-    exactly, and the slots no row uses must stay bit-identical."""
+    exactly, and the slots no row uses must stay bit-identical. With `ab_in_kernel` the kernel computes a/b from
+    the projection's input and weight, and the reference gets their product rounded to the activation dtype."""
     generator = torch.Generator().manual_seed(len(slots) * 1000 + steps)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -101,6 +104,9 @@ def decode_and_compare(d: Dims, slots: list[int], pool: int, steps: int, dtype: 
         x = randn(B, C + 7).to(dtype)[:, 3 : 3 + C]
         z = randn(B, 2 * value_rows).to(dtype)[:, value_rows:]
         a_b = randn(B, 2 * d.v_heads + 5, scale=2.0).to(dtype)[:, 5:]
+        if ab_in_kernel:  # a 40-lane input row view; the projection scaled to a/b of about the same size
+            ab_input = (randn(B, 43).to(dtype)[:, 3:], randn(2 * d.v_heads, 40, scale=0.3).to(dtype))
+            a_b = (ab_input[0].float() @ ab_input[1].float().T).to(dtype)
 
         expected_mixed = reference_conv(x, weight, ref_conv_pool, slots)
         mixed = conv1d_update(x, weight, conv_pool, slot_tensor)
@@ -109,8 +115,8 @@ def decode_and_compare(d: Dims, slots: list[int], pool: int, steps: int, dtype: 
         assert torch.equal(conv_pool, ref_conv_pool), f"conv windows differ after step {step}"
 
         expected = reference_gdn(mixed, z, a_b, a_log, dt_bias, norm_weight, ref_state_pool, slots, d)
-        got = gated_delta_decode(mixed, z, a_b, a_log, dt_bias, norm_weight, state_pool, slot_tensor,
-                                 d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
+        got = gated_delta_decode(mixed, z, ab_input if ab_in_kernel else a_b, a_log, dt_bias, norm_weight, state_pool,
+                                 slot_tensor, d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
         assert got.dtype == dtype and got.shape == (B, value_rows)
         torch.testing.assert_close(got, expected, atol=out_tol.atol, rtol=out_tol.rtol,
                                    msg=lambda m, step=step: f"gdn out, step {step}: {m}")
@@ -135,6 +141,36 @@ def test_decode_steps_equal_the_reference(slots, slot_dtype):
 def test_decode_handles_one_key_head_per_value_head():
     decode_and_compare(Dims(k_heads=3, k_dim=8, v_heads=3, v_dim=8, conv_kernel=2), [1, 3], pool=4, steps=2,
                        dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE)
+
+
+def test_decode_computes_the_a_b_projection_in_the_kernel():
+    decode_and_compare(Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=64), [1, 3], pool=4, steps=2,
+                       dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE, ab_in_kernel=True)
+
+
+@pytest.mark.parametrize("hidden", [40, 256, 300])
+def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden):
+    """The runner computes a/b in the delta-rule launch for one row and through `dense_linear_gemv(pairwise=True)`
+    for more: both must give a token the same bits (a verify step's rows equal the decode steps'), here checked on
+    the whole outputs and states (K of 40, 256 and 300 lanes: padded tiles of 64, 256 and 512)."""
+    d, device = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=32), _device()
+    generator = torch.Generator().manual_seed(hidden)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device)
+
+    B = 3
+    mixed, z = randn(B, d.channels), randn(B, d.v_heads * d.v_dim)
+    x, weight = randn(B, hidden), randn(2 * d.v_heads, hidden, scale=hidden**-0.5)
+    vectors = (randn(d.v_heads), randn(d.v_heads), randn(d.v_dim))
+    state, slots = randn(4, d.v_heads, d.k_dim, d.v_dim, scale=0.1), torch.tensor([2, 0, 3], device=device)
+    args = (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
+    separate_state, fused_state = state.clone(), state.clone()
+    separate = gated_delta_decode(mixed, z, dense_linear_gemv(x, weight, torch.float32, pairwise=True), *vectors,
+                                  separate_state, slots, *args)
+    fused = gated_delta_decode(mixed, z, (x, weight), *vectors, fused_state, slots, *args)
+    assert torch.equal(fused, separate) and torch.equal(fused_state, separate_state)
+    assert not torch.equal(fused_state, state)  # the step ran
 
 
 def test_decode_splits_a_heads_state_into_column_tiles():
@@ -203,7 +239,8 @@ def test_kernels_refuse_inconsistent_inputs():
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 5])
-def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens):
+@pytest.mark.parametrize("ab_in_kernel", [False, True])
+def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens, ab_in_kernel):
     """T tokens per sequence in one call (speculative verify) equal T single-token steps, and the snapshot slots
     hold the conv window and recurrent state after each token; the running slot holds the last ones."""
     d, slots, pool = TINY, [4, 1], 16
@@ -212,7 +249,10 @@ def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens):
     x = torch.randn(batch * tokens, d.channels, generator=generator)
     weight = torch.randn(d.channels, d.conv_kernel, generator=generator) * 0.5
     z = torch.randn(batch * tokens, d.v_heads * d.v_dim, generator=generator)
-    a_b = torch.randn(batch * tokens, 2 * d.v_heads, generator=generator)
+    ab_input = (torch.randn(batch * tokens, 24, generator=generator),
+                torch.randn(2 * d.v_heads, 24, generator=generator))
+    a_b = ab_input[0] @ ab_input[1].T if ab_in_kernel else torch.randn(batch * tokens, 2 * d.v_heads,
+                                                                        generator=generator)
     a_log, dt_bias = torch.randn(d.v_heads, generator=generator) * 0.3, torch.randn(d.v_heads, generator=generator)
     norm_weight = 1 + 0.1 * torch.randn(d.v_dim, generator=generator)
     conv = torch.randn(pool, d.channels, d.conv_kernel - 1, generator=generator)
@@ -233,6 +273,7 @@ def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens):
     device = _device()
     x, weight, z, a_b, a_log, dt_bias, norm_weight, conv, state, snapshots = (
         t.to(device) for t in (x, weight, z, a_b, a_log, dt_bias, norm_weight, conv, state, snapshots))
+    a_b = tuple(t.to(device) for t in ab_input) if ab_in_kernel else a_b
     slot_tensor = torch.tensor(slots, device=device)
     mixed = conv1d_update(x, weight, conv, slot_tensor, tokens=tokens, snapshot_slots=snapshots)
     out = gated_delta_decode(mixed, z, a_b, a_log, dt_bias, norm_weight, state, slot_tensor, d.k_heads, d.k_dim,

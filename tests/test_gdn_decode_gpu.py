@@ -32,7 +32,9 @@ def _exact_fp32_reference(monkeypatch):
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slots", [[5], [9, 0, 3, 14, 7, 1, 12, 4]])
-def test_decode_steps_on_cuda_equal_the_reference(name, dtype, slots):
+@pytest.mark.parametrize("ab_in_kernel", [False, True])  # a/b given, or computed in the delta rule's launch
+def test_decode_steps_on_cuda_equal_the_reference(name, dtype, slots, ab_in_kernel):
     fp32 = dtype == torch.float32
     decode_and_compare(SHAPES[name], slots, pool=16, steps=4, dtype=dtype, device="cuda",
-                       out_tol=FP32_OUT if fp32 else BF16_OUT, state_tol=FP32_STATE if fp32 else BF16_STATE)
+                       out_tol=FP32_OUT if fp32 else BF16_OUT, state_tol=FP32_STATE if fp32 else BF16_STATE,
+                       ab_in_kernel=ab_in_kernel)

@@ -34,9 +34,10 @@ from ninfer.fast.linear import PackedLinear, Scratch, is_packed, shared_input
 from ninfer.kernels.activation_quant import Int8Activations
 from ninfer.kernels.attention import prefill_attention
 from ninfer.kernels.conv1d import causal_conv1d
+from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
-from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
+from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs
@@ -437,7 +438,14 @@ class FastQwen35:
         source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
         query_key(source, out=projected[:, :key_columns])
         value_z(source, out=projected[:, key_columns:])
-        a_b = a_b(source)
+        if a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K:
+            # a dense a/b projection: for one row in the delta-rule kernel, which reads the head's two rows itself
+            # (one launch fewer); for more rows (where the kernel's programs would read them once per column tile)
+            # through the dense GEMV with the same fixed-order sums, so a token's bits never depend on the batch
+            x = (source.source if isinstance(source, Int8Activations) else source).to(a_b.weight.dtype)
+            a_b = (x, a_b.weight) if x.shape[0] == 1 else dense_linear_gemv(x, a_b.weight, self.dtype, pairwise=True)
+        else:
+            a_b = a_b(source)
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
                               self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)

@@ -33,8 +33,21 @@ MAX_BLOCK_K = 8192  # lanes of K per step: 32 fp32 accumulators per thread at 8 
 if triton is not None:
 
     @triton.jit
+    def pairwise_row_sum(values, WIDTH: tl.constexpr):
+        """Σ over axis 1 of a 2-D tensor (WIDTH lanes, a power of 2) by a fixed tree — lanes 2j and 2j + 1 added,
+        then again — so the bits depend on neither the layout nor the warps, and a zero-padded wider row gives the
+        same bits as the narrower one (a zero adds exactly): kernels that compute the same dot product in other
+        tiles (`gdn_decode`'s a/b rows) agree with this one bit for bit, given the same summands (products from
+        `tl.fma(w, x, 0)`: a product written into a sum would be fused into an FMA there and rounded once less)."""
+        if WIDTH == 1:
+            r = tl.sum(values, axis=1)
+        else:
+            r = pairwise_row_sum(tl.sum(tl.reshape(values, [values.shape[0], WIDTH // 2, 2]), axis=2), WIDTH // 2)
+        return r
+
+    @triton.jit
     def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PAIRWISE: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         rows, row_ok, safe_rows = row_tile(tl.program_id(0), N, BLOCK_N)
         token = tl.program_id(1).to(tl.int64)
@@ -44,12 +57,15 @@ if triton is not None:
             k_ok = (k0 + lanes) < K
             w = tl.load(w_ptr + safe_rows[:, None] * stride_w + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + token * stride_x + k0 + lanes, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        tl.store(out_ptr + token * stride_out + rows, tl.sum(acc, axis=1), mask=row_ok)
+            acc = tl.fma(w.to(tl.float32), x.to(tl.float32)[None, :], acc)  # what `acc += w · x` compiles to
+        total = pairwise_row_sum(acc, BLOCK_K) if PAIRWISE else tl.sum(acc, axis=1)
+        tl.store(out_ptr + token * stride_out + rows, total, mask=row_ok)
 
 
-def dense_linear_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`[T, N]` (see the module docstring)."""
+def dense_linear_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+                      pairwise: bool = False) -> torch.Tensor:
+    """`[T, N]` (see the module docstring). With `pairwise` (K ≤ MAX_BLOCK_K) the row sums take the fixed tree of
+    `pairwise_row_sum` over one K tile: the bits of `gated_delta_decode`'s in-kernel a/b product."""
     if triton is None:
         raise RuntimeError("the dense GEMV needs the triton package")
     tokens, k = x.shape
@@ -60,8 +76,13 @@ def dense_linear_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
     out = torch.empty((tokens, n), dtype=out_dtype or torch.float32, device=x.device)
     # the plan depends on the matrix only (a token's bits at any T)
     block_n, block_k = (64, 256) if INTERPRETED else (1, min(triton.next_power_of_2(k), MAX_BLOCK_K))
+    if pairwise:  # one tile of the padded K, whatever the platform
+        if k > MAX_BLOCK_K:
+            raise ValueError(f"dense_linear_gemv: the pairwise sum takes K ≤ {MAX_BLOCK_K}, not {k}")
+        block_k = triton.next_power_of_2(k)
     _dense_gemv_kernel[(triton.cdiv(n, block_n), tokens)](x, weight, out, n, k, x.stride(0), weight.stride(0),
                                                          out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                         PAIRWISE=pairwise,
                                                          num_warps=max(1, min(8, block_k // 512)),
                                                          **pdl_options(x.device))
     return out

@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 if triton is not None:
     from ninfer.kernels.activation_quant import store_tile_records
+    from ninfer.kernels.dense_linear import pairwise_row_sum
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
 CONV_BLOCK_C = 256  # channels per conv program
@@ -39,6 +40,9 @@ CONV_BLOCK_C = 256  # channels per conv program
 # rather than 48 holding a whole [128, 128] head each (6.6 µs, 23 % of the read bandwidth on the H200)
 DELTA_BLOCK_V = 32
 NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
+# a dense a/b projection up to this K is computed in the delta-rule launch (the head's two rows and the input row
+# in registers beside the state tile)
+AB_IN_KERNEL_MAX_K = 8192
 
 
 if triton is not None:
@@ -75,12 +79,13 @@ if triton is not None:
             tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr, snapshot_ptr,
-                                   o_ptr, stride_mixed, stride_a_b, stride_o, stride_s_slot, stride_s_head,
-                                   stride_s_k, stride_s_v, q_scale, K_HEADS: tl.constexpr, K_DIM: tl.constexpr,
-                                   V_HEADS: tl.constexpr, V_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                                   BLOCK_V: tl.constexpr, L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr,
-                                   T: tl.constexpr, PDL: tl.constexpr):
+    def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr,
+                                   snapshot_ptr, o_ptr, stride_mixed, stride_a_b, stride_ab_x, stride_ab_w, stride_o,
+                                   stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K,
+                                   K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
+                                   V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                                   L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
+                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
@@ -98,6 +103,7 @@ if triton is not None:
         tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
         S = tl.load(tile, mask=tile_ok, other=0.0)
+        dtype = o_ptr.dtype.element_ty
         for t in tl.static_range(T):  # unrolled: a runtime loop carrying S spills more registers
             row = sequence * T + t
             mixed = mixed_ptr + row * stride_mixed
@@ -107,8 +113,20 @@ if triton is not None:
             q = q * tl.rsqrt(tl.sum(q * q, 0) + L2_EPS) * q_scale
             k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
 
-            a = tl.load(a_b_ptr + row * stride_a_b + head).to(tl.float32)
-            b = tl.load(a_b_ptr + row * stride_a_b + V_HEADS + head)
+            if AB_DOT:  # the head's a and b rows of the projection, read with the row's input in one wave
+                lanes = tl.arange(0, AB_BLOCK)
+                ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
+                w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :], mask=(lanes < AB_K)[None, :],
+                            other=0.0)
+                x_row = tl.load(ab_x_ptr + row * stride_ab_x + lanes, mask=lanes < AB_K, other=0.0)
+                # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
+                products = tl.fma(w.to(tl.float32), x_row.to(tl.float32)[None, :], tl.zeros([2, AB_BLOCK], tl.float32))
+                a_b = pairwise_row_sum(products, AB_BLOCK).to(dtype)
+                a = tl.sum(tl.where(tl.arange(0, 2) == 0, a_b, 0.0), 0).to(tl.float32)
+                b = tl.sum(tl.where(tl.arange(0, 2) == 1, a_b, 0.0), 0).to(dtype)
+            else:
+                a = tl.load(a_b_ptr + row * stride_a_b + head).to(tl.float32)
+                b = tl.load(a_b_ptr + row * stride_a_b + V_HEADS + head)
             beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)  # rounded like the reference's sigmoid
             x = a + dt_bias
             softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))  # torch's cut
@@ -121,7 +139,7 @@ if triton is not None:
                 snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
                 tl.store(state_ptr + snapshot * stride_s_slot + head_tile, S, mask=tile_ok)
             o = tl.sum(q[:, None] * S, 0)
-            tl.store(o_ptr + row * stride_o + head * V_DIM + vs, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+            tl.store(o_ptr + row * stride_o + head * V_DIM + vs, o.to(dtype), mask=v_ok)
         tl.store(tile, S, mask=tile_ok)
 
     @triton.jit
@@ -225,9 +243,9 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
     return out
 
 
-def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_bias: Tensor, norm_weight: Tensor,
-                       state: Tensor, slots: Tensor, k_heads: int, k_dim: int, v_heads: int, v_dim: int,
-                       eps: float, tokens: int = 1, snapshot_slots: Tensor | None = None,
+def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor], a_log: Tensor, dt_bias: Tensor,
+                       norm_weight: Tensor, state: Tensor, slots: Tensor, k_heads: int, k_dim: int, v_heads: int,
+                       v_dim: int, eps: float, tokens: int = 1, snapshot_slots: Tensor | None = None,
                        quantize: bool = False) -> Tensor | Int8Activations:
     """`tokens` Gated DeltaNet tokens per sequence after the conv: gates, delta-rule steps on the pooled state,
     gated norm. Rows b·T … b·T + T − 1 are sequence b's tokens in order; each row is one step below.
@@ -242,12 +260,15 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
     S after token t is also written to state[snapshot_slots[b, t], j]; nothing else in the pool is touched.
 
     Shapes: mixed `[B·T, 2·k_heads·k_dim + v_heads·v_dim]` (q | k | v, the conv output) fp32/bf16/fp16; z
-    `[B·T, v_heads·v_dim]`, a_b `[B·T, 2·v_heads]` (a | b) — each with unit column stride, row views fine; a_log,
-    dt_bias `[v_heads]`; norm_weight `[v_dim]`; state `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots `[B]`
-    int32/int64; slots and snapshot slots all distinct, in [0, S) (not checked: no host sync); v_heads a multiple
-    of k_heads. All on one device. Returns out `[B·T, v_heads·v_dim]` in mixed's dtype; with `quantize`, as
-    `Int8Activations` (the output projection's input: its records made by the norm kernel when v_dim is a
-    multiple of 32, else by the quantizer).
+    `[B·T, v_heads·v_dim]`; a_b either the projection's output `[B·T, 2·v_heads]` (a | b) or, to compute it in
+    the delta-rule launch, the pair (x `[B·T, H]`, W `[2·v_heads, H]`, one dtype, H ≤ AB_IN_KERNEL_MAX_K): a_b =
+    x · Wᵀ in fp32 with the fixed-order sums of `dense_linear_gemv(x, W, pairwise=True)` (the same bits), rounded
+    to mixed's dtype — each with unit column stride, row views fine; a_log, dt_bias `[v_heads]`; norm_weight
+    `[v_dim]`; state `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots `[B]` int32/int64; slots and
+    snapshot slots all distinct, in [0, S) (not checked: no host sync); v_heads a multiple of k_heads. All on one
+    device. Returns out `[B·T, v_heads·v_dim]` in mixed's dtype; with `quantize`, as `Int8Activations` (the
+    output projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the
+    quantizer).
 
     Two launches: the delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
     on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated
@@ -265,7 +286,19 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
         raise ValueError(f"{name}: v_heads ({v_heads}) must be a multiple of k_heads ({k_heads})")
     _check_rows(name, "mixed", mixed, rows, 2 * k_heads * k_dim + v_heads * v_dim)
     _check_rows(name, "z", z, rows, v_heads * v_dim)
-    _check_rows(name, "a_b", a_b, rows, 2 * v_heads)
+    ab_dot = isinstance(a_b, tuple)
+    if ab_dot:
+        ab_x, ab_w = a_b
+        hidden = ab_w.shape[-1]
+        _check_rows(name, "the a/b weight", ab_w, 2 * v_heads, hidden)
+        _check_rows(name, "the a/b input", ab_x, rows, hidden)
+        if hidden > AB_IN_KERNEL_MAX_K or ab_x.dtype != ab_w.dtype:
+            raise ValueError(f"{name}: the a/b product in the kernel takes one dtype and K ≤ {AB_IN_KERNEL_MAX_K}, "
+                             f"got {ab_x.dtype} x, {ab_w.dtype} W, K = {hidden}")
+        a_b, extra = mixed, (ab_x, ab_w)  # a_b's own pointer is unused
+    else:
+        _check_rows(name, "a_b", a_b, rows, 2 * v_heads)
+        hidden, ab_x, ab_w, extra = 0, a_b, a_b, (a_b,)
     for what, t, size in (("a_log", a_log, v_heads), ("dt_bias", dt_bias, v_heads), ("norm_weight", norm_weight,
                                                                                      v_dim)):
         if t.shape != (size,):
@@ -273,7 +306,7 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
     if state.dim() != 4 or state.shape[1:] != (v_heads, k_dim, v_dim) or state.dtype != torch.float32:
         raise ValueError(f"{name}: state must be [S, {v_heads}, {k_dim}, {v_dim}] float32, got {list(state.shape)} "
                          f"{state.dtype}")
-    tensors = (z, a_b, a_log, dt_bias, norm_weight, state)
+    tensors = (z, *extra, a_log, dt_bias, norm_weight, state)
     if any(t.device != mixed.device for t in tensors):
         raise ValueError(f"{name}: all tensors must be on {mixed.device}, got {[str(t.device) for t in tensors]}")
     _check_slots(name, slots, B, mixed.device)
@@ -286,10 +319,12 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor, a_log: Tensor, dt_
     delta_block_v = min(block_v, DELTA_BLOCK_V)
     o = torch.empty((rows, width), dtype=mixed.dtype, device=mixed.device)
     _gated_delta_decode_kernel[(B, v_heads, triton.cdiv(v_dim, delta_block_v))](
-        mixed, a_b, a_log, dt_bias, state, slots, snapshot_slots if snapshot_slots is not None else slots, o,
-        mixed.stride(0), a_b.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2),
-        state.stride(3), k_dim**-0.5, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k,
-        BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens,
+        mixed, a_b, ab_x, ab_w, a_log, dt_bias, state, slots,
+        snapshot_slots if snapshot_slots is not None else slots, o, mixed.stride(0), a_b.stride(0), ab_x.stride(0),
+        ab_w.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
+        k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k,
+        BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
+        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1,
         num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
         **pdl_options(mixed.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
