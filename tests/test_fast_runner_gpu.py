@@ -44,7 +44,8 @@ def sliced(request, tmp_path_factory):
     with Artifact.open(path) as artifact:
         reference = Qwen35Model.from_artifact(artifact, "cuda", torch.float32)
         fast, exact = (FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=2048, prefill_chunk=256,
-                                                dtype=torch.float32, int8_activations=int8) for int8 in (True, False))
+                                                dtype=torch.float32, int8_activations=int8, max_verify_tokens=3)
+                       for int8 in (True, False))
     return reference, fast, exact, str(path)
 
 
@@ -195,6 +196,22 @@ def test_prefill_delta_rule_in_bf16_matches_the_fp32_reference():
     o, final = delta_rule_prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), initial, dim)
     o_ref, final_ref = gated_delta_rule_chunked(l2_normalize(q) * dim**-0.5, l2_normalize(k), v, g, beta, initial)
     assert _relative(o, o_ref) < 2e-2 and _relative(final, final_ref) < 2e-2
+
+
+@pytest.mark.parametrize("sliced", ["qwen3.8-27b"], indirect=True)
+def test_real_shape_verify_equals_decode_bit_for_bit(sliced):
+    """At the 27B's widths a decode step of one row takes the a/b product in the delta-rule launch, a verify step the
+    dense GEMV with the same sums: a verify step's logits must still be the bits of the same tokens decoded one by
+    one (int8 activations, the integer GEMVs, graph replay against eager)."""
+    _, fast, _, _ = sliced
+    prompt = torch.arange(5, 30, device="cuda")
+    drafts = torch.tensor([[7, 8, 9]], device="cuda")
+    verified, stepped = fast.new_state(64), fast.new_state(64)
+    for state in (verified, stepped):
+        fast.forward(prompt, state)
+    logits = fast.verify([verified], drafts)
+    expected = torch.stack([fast.decode_batch([stepped], drafts[:, t]) for t in range(3)], dim=1)
+    assert torch.equal(logits, expected)
 
 
 def test_verify_step_equals_token_by_token_decode_on_cuda():
