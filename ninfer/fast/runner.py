@@ -438,7 +438,7 @@ class FastQwen35:
         source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
         query_key(source, out=projected[:, :key_columns])
         value_z(source, out=projected[:, key_columns:])
-        if a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K:
+        if a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K and h.shape[0] <= MAX_GEMV_TOKENS:
             # a dense a/b projection: for one row in the delta-rule kernel, which reads the head's two rows itself
             # (one launch fewer); for more rows (where the kernel's programs would read them once per column tile)
             # through the dense GEMV with the same fixed-order sums, so a token's bits never depend on the batch
