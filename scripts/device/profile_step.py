@@ -2,7 +2,9 @@
 prefill chunk on a 4-layer slice of a preset (the same kernels at the real widths), plus the graph-replayed step
 time and the kernels of one graph-replayed step in launch order (start offset and duration of each, to hold a
 GEMV's time inside the step against its time in `gemv_bench.py`; with programmatic dependent launch a kernel's span
-starts when it is scheduled, before the kernel ahead has finished, so run with NINFER_PDL=0 for serial spans).
+starts when it is scheduled, before the kernel ahead has finished, so run with NINFER_PDL=0 for serial spans; with
+PDL, each kernel's share of the critical path — how much later it ends than every kernel before it — is what a
+fusion that removes it can save).
 Usage: python3 scripts/device/profile_step.py PRESET [PROMPT_TOKENS]"""
 
 import sys
@@ -51,10 +53,17 @@ for batch in (1, 8):
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     step = kernels[len(kernels) // 2 :]  # the second replay
-    print(f"== graph-replayed step, batch {batch}: {len(step)} kernels, offset from the first one's start, duration ==")
+    print(f"== graph-replayed step, batch {batch}: {len(step)} kernels, offset from the first one's start, duration, "
+          "and how much later than every kernel before it the kernel ends (its share of the step's critical path) ==")
+    latest, shares = step[0].time_range.start, {}
     for event in step:
+        share = max(0.0, event.time_range.end - latest)
+        latest = max(latest, event.time_range.end)
+        shares[event.name] = shares.get(event.name, 0.0) + share
         print(f"  {event.time_range.start - step[0].time_range.start:9.1f} us {event.time_range.elapsed_us():7.1f} us "
-              f"{event.name[:90]}")
+              f"{share:7.1f} us {event.name[:90]}")
+    print("  critical-path share by kernel:", ", ".join(f"{name[:40]} {us:.1f} us" for name, us in
+                                                      sorted(shares.items(), key=lambda item: -item[1])))
     del states, state  # a sequence's slot and pages go back when its last reference goes
 state = model.new_state(prompt + 32)
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
