@@ -295,10 +295,10 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         if hidden > AB_IN_KERNEL_MAX_K or ab_x.dtype != ab_w.dtype:
             raise ValueError(f"{name}: the a/b product in the kernel takes one dtype and K ≤ {AB_IN_KERNEL_MAX_K}, "
                              f"got {ab_x.dtype} x, {ab_w.dtype} W, K = {hidden}")
-        a_b, extra = mixed, (ab_x, ab_w)  # a_b's own pointer is unused
+        a_b = mixed  # its own pointer is unused
     else:
         _check_rows(name, "a_b", a_b, rows, 2 * v_heads)
-        hidden, ab_x, ab_w, extra = 0, a_b, a_b, (a_b,)
+        hidden, ab_x, ab_w = 0, a_b, a_b  # the product's pointers are unused
     for what, t, size in (("a_log", a_log, v_heads), ("dt_bias", dt_bias, v_heads), ("norm_weight", norm_weight,
                                                                                      v_dim)):
         if t.shape != (size,):
@@ -306,7 +306,7 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     if state.dim() != 4 or state.shape[1:] != (v_heads, k_dim, v_dim) or state.dtype != torch.float32:
         raise ValueError(f"{name}: state must be [S, {v_heads}, {k_dim}, {v_dim}] float32, got {list(state.shape)} "
                          f"{state.dtype}")
-    tensors = (z, *extra, a_log, dt_bias, norm_weight, state)
+    tensors = (z, ab_x, ab_w, a_log, dt_bias, norm_weight, state)
     if any(t.device != mixed.device for t in tensors):
         raise ValueError(f"{name}: all tensors must be on {mixed.device}, got {[str(t.device) for t in tensors]}")
     _check_slots(name, slots, B, mixed.device)
