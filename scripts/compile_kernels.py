@@ -96,6 +96,11 @@ def _record_all() -> None:
             quant_linear.quant_linear_gemv(torch.randn(tokens, 2048), wide, (64, 2048), fmt, out_dtype=torch.bfloat16)
         quant_linear.quant_linear_gemv(x, data, (64, 512), fmt, out_dtype=torch.bfloat16)  # the token route
         quant_linear.dequantize(data, (64, 512), fmt, rows=torch.arange(4, dtype=torch.int32))
+    for tokens in (1, 8):  # two matrices of one input in one launch (GDN q|k q4 and v|z q5)
+        acts = activation_quant.quantize_activations(torch.randn(tokens, 2048))
+        quant_linear.quant_linear_gemv_pair(
+            acts, *((codec_for(fmt).encode(torch.randn(64, 2048)), (64, 2048), fmt, None)
+                    for fmt in ("q4_g64_fp16", "q5_g64_fp16")))
     data = codec_for("q5_g64_fp16").encode(torch.randn(4 * 64, 512))
     quant_linear.quant_linear_gemv(x, data, (256, 512), "q5_g64_fp16", experts=torch.tensor([1, 3], dtype=torch.int32),
                                    expert_rows=64, x_per_slot=2, out_dtype=torch.bfloat16)

@@ -23,6 +23,7 @@ from ninfer.kernels.quant_linear import (
     dequantize,
     group_pairs,
     quant_linear_gemv,
+    quant_linear_gemv_pair,
     quant_linear_grouped,
     quant_linear_reference,
 )
@@ -174,6 +175,33 @@ def test_both_routes_give_the_same_bits_at_the_same_k_tile(fmt, tokens, n, k):
     block_k = 128 if k == 640 else 256
     expected = quant_linear_gemv(acts, data, (n, k), fmt, route="token", block_k=block_k)
     assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, route="batch", block_k=block_k), expected)
+
+
+@pytest.mark.parametrize(("formats", "tokens"), [(("q4_g64_fp16", "q5_g64_fp16"), 1),
+                                                 (("q6_g64_fp16", "q8_g32_fp16"), 3),
+                                                 (("q5_g64_fp16", "q4_g64_fp16"), 11)])
+def test_a_gemv_pair_gives_each_product_the_bits_of_its_own_launch(formats, tokens):
+    """Two matrices of one input in one launch (the GDN's q|k and v|z, attention's q|k and gate|v): each result
+    equals its separate GEMV bit for bit, whatever the formats (their tiles and pipelines differ), and lands in the
+    given columns of a shared buffer without touching the others."""
+    k, shapes = 2048, [(40, 2048), (72, 2048)]
+    matrices = [_matrix(fmt, n, k, 17 + i)[0] for i, (fmt, (n, _)) in enumerate(zip(formats, shapes, strict=True))]
+    generator = torch.Generator().manual_seed(tokens)
+    acts = quantize_activations(torch.randn(tokens, k, generator=generator).to(DEVICE))
+    expected = [quant_linear_gemv(acts, data, shape, fmt, out_dtype=torch.float32)
+                for data, shape, fmt in zip(matrices, shapes, formats, strict=True)]
+    buffer = torch.full((tokens, 40 + 72 + 5), -7.0, device=DEVICE)
+    first, second = quant_linear_gemv_pair(acts, (matrices[0], shapes[0], formats[0], buffer[:, :40]),
+                                           (matrices[1], shapes[1], formats[1], buffer[:, 40:112]))
+    assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
+    assert torch.equal(buffer[:, :112], torch.cat(expected, dim=1)) and buffer[:, 112:].eq(-7).all()
+    fresh = quant_linear_gemv_pair(acts, *((data, shape, fmt, None)
+                                           for data, shape, fmt in zip(matrices, shapes, formats, strict=True)))
+    assert all(torch.equal(got, want) for got, want in zip(fresh, expected, strict=True))
+    with pytest.raises(ValueError, match="batch route"):
+        short = _matrix("q4_g64_fp16", 8, 640, 3)[0]
+        acts_640 = quantize_activations(torch.randn(1, 640, generator=generator).to(DEVICE))
+        quant_linear_gemv_pair(acts_640, (short, (8, 640), "q4_g64_fp16", None), (short, (8, 640), "q4_g64_fp16", None))
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])

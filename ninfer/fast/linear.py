@@ -4,7 +4,8 @@ Routes (chosen by the format, the number of tokens T and what x is):
   * groupwise (q4/q5/q6/q8), x given as `Int8Activations` (`shared_input`: decode and verify steps, T ≤ 64): the
     integer Triton GEMV, which reads the packed planes once (the batch route: each weight tile unpacked once
     for up to 8 tokens; a token's bits do not depend on T);
-    an input read by several matrices is quantized once;
+    an input read by several matrices is quantized once, and two of them on the batch route share one launch
+    (`project`);
   * groupwise, x a tensor (prefill, any T): dequantize into a shared scratch buffer, then cuBLAS (the matmul
     dominates); stacked MoE experts go through the grouped kernel in one launch;
   * fp8 rows: the FP8 GEMV for T ≤ 16 (its cost grows with T: one token per program), rows decoded into the
@@ -24,7 +25,14 @@ from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
 from ninfer.kernels.fp8_linear import MAX_TOKENS as FP8_GEMV_TOKENS
 from ninfer.kernels.fp8_linear import fp8_block, fp8_linear_gemv, fp8_rows
-from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, dequantize, quant_linear_gemv, quant_linear_grouped
+from ninfer.kernels.quant_linear import (
+    MAX_GEMV_TOKENS,
+    dequantize,
+    gemv_route,
+    quant_linear_gemv,
+    quant_linear_gemv_pair,
+    quant_linear_grouped,
+)
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
 
@@ -47,6 +55,29 @@ def shared_input(x: torch.Tensor | Int8Activations, readers: list[PackedLinear])
     if x.shape[0] <= MAX_GEMV_TOKENS and any(reader.groupwise for reader in readers):
         return quantize_activations(x)
     return x
+
+
+def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
+            outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """x through each of `readers` (into `outs[i]` where given, as `PackedLinear.__call__`). Consecutive readers that
+    both take the integer GEMV's batch route share one launch (`quant_linear_gemv_pair`): neither waits for the
+    other to finish, and the results have the bits of separate calls."""
+    outs = outs or [None] * len(readers)
+    results: list[torch.Tensor] = []
+    i = 0
+    while i < len(readers):
+        pair = readers[i : i + 2]
+        if len(pair) == 2 and isinstance(x, Int8Activations) and all(r.batch_route for r in pair):
+            targets = [out if out is not None else
+                       torch.empty((x.shape[0], r.shape[0]), dtype=out_dtype or x.source.dtype, device=x.blocks.device)
+                       for r, out in zip(pair, outs[i : i + 2], strict=True)]
+            results += quant_linear_gemv_pair(x, *((r.data, r.shape, r.format, t)
+                                                   for r, t in zip(pair, targets, strict=True)))
+            i += 2
+        else:
+            results.append(readers[i](x, out_dtype=out_dtype, out=outs[i]))
+            i += 1
+    return results
 
 
 def _source(x: torch.Tensor | Int8Activations) -> torch.Tensor:
@@ -83,6 +114,9 @@ class PackedLinear:
         self.scratch = scratch
         self.groupwise = is_groupwise(fmt)
         self.packed = is_packed(fmt)
+        # whether the integer GEMV takes this matrix on its batch route (any number of tokens)
+        self.batch_route = self.groupwise and gemv_route(codec_for(fmt).groups_per_row(self.shape[1])
+                                                         * codec_for(fmt).group) == "batch"
         if self.packed:
             self.data = data
             self.weight = None

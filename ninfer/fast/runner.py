@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory, synchronize
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
-from ninfer.fast.linear import PackedLinear, Scratch, is_packed, shared_input
+from ninfer.fast.linear import PackedLinear, Scratch, is_packed, project, shared_input
 from ninfer.kernels.activation_quant import Int8Activations
 from ninfer.kernels.attention import prefill_attention
 from ninfer.kernels.conv1d import causal_conv1d
@@ -357,8 +357,7 @@ class FastQwen35:
         """x through the matrices `readers`: with `integer` (decode and verify steps) the integer GEMV over x's int8
         image, made once for all of them; else the exact route (packed weights decoded for cuBLAS: the prefill's
         numerics)."""
-        source = self._input(x, readers, integer)
-        return [reader(source, out_dtype=out_dtype) for reader in readers]
+        return project(self._input(x, readers, integer), readers, out_dtype=out_dtype)
 
     @staticmethod
     def _input(x: torch.Tensor, readers: list[PackedLinear], integer: bool) -> torch.Tensor | Int8Activations:
@@ -436,8 +435,7 @@ class FastQwen35:
         # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view (no concatenation)
         projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
         source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
-        query_key(source, out=projected[:, :key_columns])
-        value_z(source, out=projected[:, key_columns:])
+        project(source, [query_key, value_z], [projected[:, :key_columns], projected[:, key_columns:]])
         if a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K and h.shape[0] <= MAX_GEMV_TOKENS:
             # a dense a/b projection: for one row in the delta-rule kernel, which reads the head's two rows itself
             # (one launch fewer); for more rows (where the kernel's programs would read them once per column tile)

@@ -265,13 +265,13 @@ if triton is not None:
         return (dots + (0x4B400000 - OFFSET * x_sum)).to(tl.float32, bitcast=True) - 12582912.0
 
     @triton.jit
-    def _row_and_token_tiles(N, T, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
-        """A GEMV program's rows and tokens: program_id(0) = row tile · token tiles + token tile, so the token tiles
-        of one row tile run side by side and the ones after the first read its weights from L2. Returns (rows,
-        row_ok, safe_rows clamped into [0, N) for unmasked, vectorisable loads, tokens)."""
+    def _row_and_token_tiles(program, N, T, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+        """A GEMV program's rows and tokens: program = row tile · token tiles + token tile, so the token tiles of one
+        row tile run side by side and the ones after the first read its weights from L2. Returns (rows, row_ok,
+        safe_rows clamped into [0, N) for unmasked, vectorisable loads, tokens)."""
         token_tiles = tl.cdiv(T, BLOCK_T)
-        rows, row_ok, safe_rows = row_tile(tl.program_id(0) // token_tiles, N, BLOCK_N)
-        tokens = (tl.program_id(0) % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows, row_ok, safe_rows = row_tile(program // token_tiles, N, BLOCK_N)
+        tokens = (program % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
         return rows, row_ok, safe_rows, tokens
 
     @triton.jit
@@ -313,20 +313,54 @@ if triton is not None:
         tl.store(out_base + rows[None, :], _pairwise_sum(acc, BLOCKS), mask=row_ok[None, :])
 
     @triton.jit
-    def _gemv_batch_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                            high_row_words, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr,
-                            GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                            DEPTH: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-        """The batch route: BLOCK_T tokens × BLOCK_N rows per program. Every tensor is block-major ([BLOCKS, …, 4]
-        with the 4 words of a block's units last), and Triton's layout then puts the blocks across the warp's lanes
-        and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
+    def _gemv_batch_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad,
+                           row_words, high_row_words, gpr, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
+                           BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+        """The batch route for one matrix (`_batch_program`)."""
+        _batch_program(tl.program_id(0), x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad,
+                       row_words, high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
+                       BLOCK_T, DEPTH, UNROLL, ASM, PDL)
+
+    @triton.jit
+    def _gemv_batch_pair_kernel(x_blocks_ptr, T, x_block_count, programs,
+                                base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad, row_words, high_row_words, gpr,
+                                stride_out, bias,
+                                base2_ptr, high2_ptr, scale2_ptr, out2_ptr, N2, k_pad2, row_words2, high_row_words2,
+                                gpr2, stride_out2, bias2,
+                                BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
+                                UNROLL: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
+                                BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr,
+                                BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+        """The batch route for two matrices that read the same x, in one launch: the first `programs` programs are
+        the first matrix's, the rest the second's, each exactly a program of `_gemv_batch_kernel` (the same bits).
+        Neither product waits for the other: as two launches, the second could start only after the first had
+        finished (PDL orders every kernel after all earlier ones), and the smaller one's last wave ran alone."""
+        program = tl.program_id(0)
+        if program < programs:
+            _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
+                           high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
+                           BLOCK_T, DEPTH, UNROLL, ASM, PDL)
+        else:
+            _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
+                           k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
+                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, ASM, PDL)
+
+    @triton.jit
+    def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
+                       high_row_words, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DEPTH: tl.constexpr,
+                       UNROLL: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+        """Program `program` of the batch route: BLOCK_T tokens × BLOCK_N rows. Every tensor is block-major
+        ([BLOCKS, …, 4] with the 4 words of a block's units last), and Triton's layout then puts the blocks across
+        the warp's lanes and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
         `[BLOCKS, 1, BN, 4]` broadcast in place (checked with `scripts/compile_kernels.py --resources`: no shared
         memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp). DEPTH (1 or 2) weight
         tiles are loaded ahead, kept as loaded until used; the K loop is unrolled UNROLL times (2: the tile loaded
         ahead lands in the registers it is used from, where a loop-carried copy would wait for the load)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-        rows, row_ok, safe_rows, tokens = _row_and_token_tiles(N, T, BLOCK_N, BLOCK_T)
+        rows, row_ok, safe_rows, tokens = _row_and_token_tiles(program, N, T, BLOCK_N, BLOCK_T)
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
         blocks = tl.arange(0, BLOCKS)[:, None, None, None]
         word = tl.arange(0, 4)[None, None, None, :]
@@ -535,58 +569,106 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     per turn of its loop, 1 or 2 each (default `batch_pipeline`). None of them changes a result's bits."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
-    codec, base, high, scales, planes = _planes(data, shape, fmt)
-    source = x.source if isinstance(x, Int8Activations) else x
-    tokens = source.shape[0]
-    if experts is None and not 1 <= tokens <= MAX_GEMV_TOKENS:
-        raise ValueError(f"the GEMV takes 1..{MAX_GEMV_TOKENS} tokens, not {tokens}")
-    n, k = shape if experts is None else (expert_rows, shape[1])
-    if source.shape[1] != k:
-        raise ValueError(f"x has {source.shape[1]} features, the matrix {k}")
-    acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
-    gpr = codec.groups_per_row(k)
-    k_pad = gpr * codec.group
-    if acts.blocks.shape[1] * 32 < k_pad:
-        raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix {k_pad}")
-    route = route or gemv_route(k_pad, experts is not None)
+    acts = x if isinstance(x, Int8Activations) else quantize_activations(_checked_tokens(x, experts is None))
+    product = _Product(acts, data, shape, fmt, out, out_dtype, experts, expert_rows)
+    route = route or gemv_route(product.k_pad, experts is not None)
     if route not in ("token", "batch"):
         raise ValueError(f"unknown GEMV route {route!r}")
     if route != "token" and experts is not None:
         raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
-    slots = tokens if experts is None else experts.numel()
-    if out is None:
-        out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=data.device)
-    elif out.shape != (slots, n) or out.stride(1) != 1 or out.device != data.device:
-        raise ValueError(f"out must be a [{slots}, {n}] view with unit column stride on {data.device}, got "
-                         f"{list(out.shape)} strides {out.stride()} on {out.device}")
-    block_k = block_k or gemv_block_k(k_pad, route)
-    if k_pad % block_k:
-        raise ValueError(f"block_k {block_k} does not divide the padded K of {k_pad}")
-    bias = 0 if codec.bits == 8 else 0x01010101 << (codec.bits - 1)  # the code offset in every byte
-    row_words, x_blocks = planes[0].row_bytes // 4, acts.blocks.shape[1]
+    block_k = block_k or gemv_block_k(product.k_pad, route)
+    if product.k_pad % block_k:
+        raise ValueError(f"block_k {block_k} does not divide the padded K of {product.k_pad}")
     if route == "batch":
-        block_t = block_t or min(BATCH_TOKENS, triton.next_power_of_2(tokens))
-        block_n = block_n or (256 if INTERPRETED else batch_block_n(tokens, codec.bits))
-        default_depth, default_unroll = batch_pipeline(tokens, n, k_pad, codec.bits)
-        # `_load_blocks` reads the high plane as int32 words and the scales as their fp16 bits
-        high_words, high_row_words = (high.view(torch.int32), planes[1].row_bytes // 4) if len(planes) == 3 \
-            else (high, 0)
-        _gemv_batch_kernel[(triton.cdiv(n, block_n) * triton.cdiv(tokens, block_t),)](
-            acts.blocks, base, high_words, scales.view(torch.int16), out, tokens, n, k_pad, row_words, high_row_words,
-            gpr, x_blocks, out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
-            BLOCK_K=block_k, BLOCK_T=block_t, DEPTH=depth or default_depth, UNROLL=unroll or default_unroll, ASM=ASM,
-            num_warps=num_warps or 1, **pdl_options(data.device))
-        return out
+        programs, args, constants = product.batch(block_n, block_t, depth, unroll)
+        _gemv_batch_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], *args, **constants,
+                                        BLOCK_K=block_k, BLOCK_T=block_t or product.block_t, ASM=ASM,
+                                        num_warps=num_warps or 1, **pdl_options(data.device))
+        return product.out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
+    codec, planes, n, out = product.codec, product.planes, product.n, product.out
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
     block_n = block_n or default_n
-    grid = (triton.cdiv(n, block_n) * (1 if experts is not None else tokens), slots if experts is not None else 1)
-    _gemv_kernel[grid](acts.blocks, base, high, scales, out, experts if experts is not None else base,
-                       tokens if experts is None else 1, n, k_pad, row_words, _high_row_units(codec, planes), gpr,
-                       x_blocks, out.stride(0), bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
-                       BLOCK_K=block_k, GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
+    slots = out.shape[0]
+    grid = (triton.cdiv(n, block_n) * (1 if experts is not None else product.tokens),
+            slots if experts is not None else 1)
+    _gemv_kernel[grid](acts.blocks, product.base, product.high, product.scales, out,
+                       experts if experts is not None else product.base, product.tokens if experts is None else 1, n,
+                       product.k_pad, planes[0].row_bytes // 4, _high_row_units(codec, planes), product.gpr,
+                       acts.blocks.shape[1], out.stride(0), product.bias, BITS=codec.bits, GROUP=codec.group,
+                       BLOCK_N=block_n, BLOCK_K=block_k, GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
                        num_warps=num_warps or default_warps, **pdl_options(data.device))
     return out
+
+
+def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two integer GEMVs of the same input in one launch (`_gemv_batch_pair_kernel`): `first` and `second` are
+    (data, shape, fmt, out) with `out` a `[T, N]` view with unit column stride (or None: fp32 results). Both
+    matrices must take the batch route (`gemv_route`); each result has the bits `quant_linear_gemv` gives it
+    alone. Returns both results."""
+    if triton is None:
+        raise RuntimeError("the Triton GEMV needs the triton package")
+    products = [_Product(x, data, shape, fmt, out, None, None, 0) for data, shape, fmt, out in (first, second)]
+    if any(gemv_route(p.k_pad) != "batch" for p in products):
+        raise ValueError("a GEMV pair takes two matrices of the batch route (padded K a multiple of "
+                         f"{BATCH_BLOCK_K}), not K = {[p.k_pad for p in products]}")
+    (programs, args, constants), (programs2, args2, constants2) = (p.batch() for p in products)
+    _gemv_batch_pair_kernel[(programs + programs2,)](
+        x.blocks, products[0].tokens, x.blocks.shape[1], programs, *args, *args2, **constants,
+        **{name + "2": value for name, value in constants2.items()}, BLOCK_K=BATCH_BLOCK_K,
+        BLOCK_T=products[0].block_t, ASM=ASM, num_warps=1, **pdl_options(x.blocks.device))
+    return products[0].out, products[1].out
+
+
+def _checked_tokens(x: torch.Tensor, whole: bool) -> torch.Tensor:
+    if whole and not 1 <= x.shape[0] <= MAX_GEMV_TOKENS:
+        raise ValueError(f"the GEMV takes 1..{MAX_GEMV_TOKENS} tokens, not {x.shape[0]}")
+    return x
+
+
+class _Product:
+    """One integer GEMV's operands, checked: the matrix's planes, the input records and the output (allocated
+    when not given)."""
+
+    def __init__(self, acts: Int8Activations, data: torch.Tensor, shape: tuple[int, int], fmt: str,
+                 out: torch.Tensor | None, out_dtype: torch.dtype | None, experts: torch.Tensor | None,
+                 expert_rows: int):
+        self.codec, self.base, self.high, self.scales, self.planes = _planes(data, shape, fmt)
+        self.tokens = _checked_tokens(acts.source, experts is None).shape[0]
+        self.n, k = shape if experts is None else (expert_rows, shape[1])
+        if acts.shape[1] != k:
+            raise ValueError(f"x has {acts.shape[1]} features, the matrix {k}")
+        self.gpr = self.codec.groups_per_row(k)
+        self.k_pad = self.gpr * self.codec.group
+        if acts.blocks.shape[1] * 32 < self.k_pad:
+            raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix "
+                             f"{self.k_pad}")
+        slots = self.tokens if experts is None else experts.numel()
+        if out is None:
+            out = torch.empty((slots, self.n), dtype=out_dtype or torch.float32, device=data.device)
+        elif out.shape != (slots, self.n) or out.stride(1) != 1 or out.device != data.device:
+            raise ValueError(f"out must be a [{slots}, {self.n}] view with unit column stride on {data.device}, got "
+                             f"{list(out.shape)} strides {out.stride()} on {out.device}")
+        self.out = out
+        self.bias = 0 if self.codec.bits == 8 else 0x01010101 << (self.codec.bits - 1)  # the code offset per byte
+        self.block_t = min(BATCH_TOKENS, triton.next_power_of_2(self.tokens))
+
+    def batch(self, block_n: int | None = None, block_t: int | None = None, depth: int | None = None,
+              unroll: int | None = None) -> tuple[int, tuple, dict]:
+        """The batch route's launch for this product: (programs, the kernel's per-matrix arguments, its per-matrix
+        constants)."""
+        bits = self.codec.bits
+        block_n = block_n or (256 if INTERPRETED else batch_block_n(self.tokens, bits))
+        default_depth, default_unroll = batch_pipeline(self.tokens, self.n, self.k_pad, bits)
+        # `_load_blocks` reads the high plane as int32 words and the scales as their fp16 bits
+        high_words, high_row_words = (self.high.view(torch.int32), self.planes[1].row_bytes // 4) \
+            if len(self.planes) == 3 else (self.high, 0)
+        programs = triton.cdiv(self.n, block_n) * triton.cdiv(self.tokens, block_t or self.block_t)
+        args = (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
+                self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
+        constants = {"BITS": bits, "GROUP": self.codec.group, "BLOCK_N": block_n, "DEPTH": depth or default_depth,
+                     "UNROLL": unroll or default_unroll}
+        return programs, args, constants
 
 
 def batch_pipeline(tokens: int, rows: int, k_pad: int, bits: int) -> tuple[int, int]:
