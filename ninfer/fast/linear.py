@@ -57,17 +57,24 @@ def shared_input(x: torch.Tensor | Int8Activations, readers: list[PackedLinear])
     return x
 
 
+# steps of up to this many tokens run two GEMVs of one input in one launch (`project`); measured on the H200
+PAIRED_GEMV_TOKENS = 1
+
+
 def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
             outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """x through each of `readers` (into `outs[i]` where given, as `PackedLinear.__call__`). Consecutive readers that
-    both take the integer GEMV's batch route share one launch (`quant_linear_gemv_pair`): neither waits for the
-    other to finish, and the results have the bits of separate calls."""
+    """x through each of `readers` (into `outs[i]` where given, as `PackedLinear.__call__`). In a one-token step,
+    consecutive readers that both take the integer GEMV's batch route share one launch (`quant_linear_gemv_pair`):
+    neither waits for the other to finish, and the results have the bits of separate calls. With more tokens the
+    pair's kernel holds the registers of the larger of its two (27B q|k and v|z at 8 tokens: 202 against 168 for
+    v|z alone), which measured slower than two launches (docs/performance.md)."""
     outs = outs or [None] * len(readers)
     results: list[torch.Tensor] = []
     i = 0
     while i < len(readers):
         pair = readers[i : i + 2]
-        if len(pair) == 2 and isinstance(x, Int8Activations) and all(r.batch_route for r in pair):
+        if len(pair) == 2 and isinstance(x, Int8Activations) and x.shape[0] <= PAIRED_GEMV_TOKENS \
+                and all(r.batch_route for r in pair):
             targets = [out if out is not None else
                        torch.empty((x.shape[0], r.shape[0]), dtype=out_dtype or x.source.dtype, device=x.blocks.device)
                        for r, out in zip(pair, outs[i : i + 2], strict=True)]
