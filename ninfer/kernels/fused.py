@@ -47,6 +47,12 @@ if triton is not None:
         wait_for_inputs(PDL)
         # every program of a row reduces the whole row (the same bits in each), then writes its SLICE of lanes
         row = tl.program_id(0).to(tl.int64)
+        if SLICE != BLOCK:  # this program's lanes, loaded with the row (both loads in flight at once)
+            d_slice = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+            ok_slice = d_slice < D
+            x_slice = tl.load(x_ptr + row * stride_x + d_slice, mask=ok_slice, other=0.0)
+            if HAS_H:
+                h_slice = tl.load(h_ptr + row * stride_h + d_slice, mask=ok_slice, other=0.0)
         d = tl.arange(0, BLOCK)
         ok = d < D
         x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
@@ -54,12 +60,10 @@ if triton is not None:
             x = (x + tl.load(h_ptr + row * stride_h + d, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
-        if SLICE != BLOCK:  # this program's lanes, loaded again (from L1/L2) and added again (the same bits)
-            d = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
-            ok = d < D
-            x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+        if SLICE != BLOCK:  # the slice's sum again (the same bits as in the row)
+            d, ok, x = d_slice, ok_slice, x_slice
             if HAS_H:
-                x = (x + tl.load(h_ptr + row * stride_h + d, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty)
+                x = (x + h_slice).to(x_ptr.dtype.element_ty)
             xf = x.to(tl.float32)
         if HAS_H:
             tl.store(sum_ptr + row * D + d, x, mask=ok)
@@ -170,7 +174,7 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
         x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
         h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
         HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
-        num_warps=4 if split else max(1, min(16, block // 256)), **pdl_options(x.device))
+        num_warps=8 if split else max(1, min(16, block // 256)), **pdl_options(x.device))
     return total, Int8Activations(out, records) if quantize else out
 
 
