@@ -6,8 +6,8 @@ Two Triton kernels, each the fused few-token form of the torch reference path of
     conv window in place;
   * `gated_delta_decode`: everything after the conv — q/k L2 norm, the gates, T steps of the gated delta rule
     on the sequence's recurrent state (kept in registers between tokens, written back at the end; programs own
-    column tiles of a head's state), then the gated RMSNorm of each output, by the last of a head's programs
-    (optionally writing the int8 records of the output projection's input).
+    column tiles of a head's state), then the gated RMSNorm of each output in a second launch (optionally
+    writing the int8 records of the output projection's input).
 With `snapshot_slots` `[B, T]`, both also write the state after every token t into pool slot
 snapshot_slots[b, t]: a verify step that accepts j of T draft tokens resumes from snapshot j - 1 (the recurrent
 state cannot be cut back).
@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 if triton is not None:
-    from ninfer.kernels.activation_quant import store_records
+    from ninfer.kernels.activation_quant import store_tile_records
     from ninfer.kernels.dense_linear import pairwise_row_sum
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
@@ -39,6 +39,7 @@ CONV_BLOCK_C = 256  # channels per conv program
 # state columns per delta-rule program: a [128, 32] fp32 tile, so a 27B step (48 value heads) runs 192 programs
 # rather than 48 holding a whole [128, 128] head each (6.6 µs, 23 % of the read bandwidth on the H200)
 DELTA_BLOCK_V = 32
+NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
 # a dense a/b projection up to this K is computed in the delta-rule launch (the head's two rows and the input row
 # in registers beside the state tile)
 AB_IN_KERNEL_MAX_K = 8192
@@ -79,14 +80,12 @@ if triton is not None:
 
     @triton.jit
     def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr,
-                                   snapshot_ptr, o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, arrivals_ptr,
-                                   stride_mixed, stride_a_b, stride_ab_x, stride_ab_w, stride_o, stride_z, stride_out,
-                                   stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K, eps,
-                                   record_count, K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
+                                   snapshot_ptr, o_ptr, stride_mixed, stride_a_b, stride_ab_x, stride_ab_w, stride_o,
+                                   stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K,
+                                   K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                                   HEAD_BLOCK: tl.constexpr, L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr,
-                                   T: tl.constexpr, AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr,
-                                   ROUND_NORM_PRODUCT: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr):
+                                   L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
+                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
@@ -143,63 +142,32 @@ if triton is not None:
             tl.store(o_ptr + row * stride_o + head * V_DIM + vs, o.to(dtype), mask=v_ok)
         tl.store(tile, S, mask=tile_ok)
 
-        # the gated norm needs all of a head's outputs: the last of the head's column-tile programs to finish applies
-        # it (the "last block" pattern of CUDA's grid sync: a barrier, then one release-acquire atomic per program)
-        TILES: tl.constexpr = (V_DIM + BLOCK_V - 1) // BLOCK_V
-        arrival = arrivals_ptr + sequence * V_HEADS + head
-        tl.debug_barrier()  # every thread's o stores come before the release
-        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == TILES - 1:
-            tl.store(arrival, 0)  # zero again for the next launch
-            for t in tl.static_range(T):
-                _gated_norm_head(o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, sequence * T + t, head,
-                                 stride_o, stride_z, stride_out, eps, record_count, V_HEADS, V_DIM, HEAD_BLOCK,
-                                 ROUND_NORM_PRODUCT, QUANTIZE)
-
     @triton.jit
-    def _gated_norm_head(o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, row, head, stride_o, stride_z,
-                         stride_out, eps, record_count, V_HEADS: tl.constexpr, V_DIM: tl.constexpr,
-                         HEAD_BLOCK: tl.constexpr, ROUND_NORM_PRODUCT: tl.constexpr, QUANTIZE: tl.constexpr):
-        """rms_norm_gated of one head of one row, from the o that the head's programs stored; with QUANTIZE (V_DIM a
-        power of two ≥ 32: a head is whole int8 blocks) also its records, and the last head those of the zero
-        padding past the heads (up to 128 lanes)."""
-        vs = tl.arange(0, HEAD_BLOCK)
-        ok = vs < V_DIM
-        lanes = head * V_DIM + vs
-        # written by the head's other programs: read from L2, not from a possibly stale L1 line
-        o = tl.load(o_ptr + row * stride_o + lanes, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    def _gated_norm_kernel(o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, stride_o, stride_z, stride_out, eps,
+                           record_count, V_HEADS: tl.constexpr, V_DIM: tl.constexpr, HEADS: tl.constexpr,
+                           BLOCK_V: tl.constexpr, ROUND_NORM_PRODUCT: tl.constexpr, QUANTIZE: tl.constexpr,
+                           PDL: tl.constexpr):
+        wait_for_inputs(PDL)
+        # HEADS value heads of one row: rms_norm_gated per head, and with QUANTIZE (V_DIM a multiple of 32, so a
+        # head is whole int8 blocks) the output's records
+        row = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+        vs = tl.arange(0, BLOCK_V)
+        ok = (heads < V_HEADS)[:, None] & (vs < V_DIM)[None, :]
+        lanes = heads[:, None] * V_DIM + vs[None, :]
+        o = tl.load(o_ptr + row * stride_o + lanes, mask=ok, other=0.0).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
         # rms_norm_gated with its casts: x̂ rounded to the activation dtype, times the weight (rounded when torch
         # would multiply in the activation dtype), times silu(z) in fp32, rounded once more
-        x_hat = (o * tl.rsqrt(tl.sum(o * o, 0) / V_DIM + eps)).to(dtype).to(tl.float32)
-        y = tl.load(norm_weight_ptr + vs, mask=ok, other=0.0).to(tl.float32) * x_hat
+        x_hat = (o * tl.rsqrt(tl.sum(o * o, 1) / V_DIM + eps)[:, None]).to(dtype).to(tl.float32)
+        y = tl.load(norm_weight_ptr + vs, mask=vs < V_DIM, other=0.0).to(tl.float32)[None, :] * x_hat
         if ROUND_NORM_PRODUCT:
             y = y.to(dtype).to(tl.float32)
         z = tl.load(z_ptr + row * stride_z + lanes, mask=ok, other=0.0).to(tl.float32)
         y = (y * (z * tl.sigmoid(z))).to(dtype)
         tl.store(out_ptr + row * stride_out + lanes, y, mask=ok)
         if QUANTIZE:
-            record_row = records_ptr + row * record_count * 12
-            store_records(tl.reshape(y.to(tl.float32), [V_DIM // 32, 32]), record_row,
-                          head * (V_DIM // 32) + tl.arange(0, V_DIM // 32), record_count)
-            if head == V_HEADS - 1:
-                store_records(tl.zeros([4, 32], dtype=tl.float32), record_row,
-                              V_HEADS * (V_DIM // 32) + tl.arange(0, 4), record_count)
-
-
-_ARRIVALS: dict[torch.device, Tensor] = {}
-
-
-def _arrivals(device: torch.device, count: int) -> Tensor:
-    """Zeroed int32 counters, at least `count`, that the delta-rule kernel leaves zeroed (one per (sequence, value
-    head): how many of the head's column-tile programs have finished). One buffer per device, shared by every
-    launch: launches on one stream run one after another. Allocated outside CUDA-graph capture (a step's first,
-    eager call comes before its capture)."""
-    buffer = _ARRIVALS.get(device)
-    if buffer is None or buffer.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gated_delta_decode: run a step of this batch size eagerly before capturing it")
-        buffer = _ARRIVALS[device] = torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device)
-    return buffer
+            store_tile_records(y, records_ptr, row, record_count, HEADS * BLOCK_V)
 
 
 def _require_triton(name: str) -> None:
@@ -302,11 +270,9 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     output projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the
     quantizer).
 
-    One launch over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves on its own, so a
-    head's [k_dim, v_dim] state splits into independent column tiles — each program writing its columns of o; the
-    gated norm needs a whole head's o, so the last of a head's programs to finish (counted with an atomic) applies
-    it to the head and writes its int8 records. Launches must not run concurrently on two streams of one device
-    (they share the counters).
+    Two launches: the delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
+    on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated
+    norm over whole heads (it needs all of a head's o), which also writes the int8 records.
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"
@@ -352,22 +318,26 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
     delta_block_v = min(block_v, DELTA_BLOCK_V)
     o = torch.empty((rows, width), dtype=mixed.dtype, device=mixed.device)
+    _gated_delta_decode_kernel[(B, v_heads, triton.cdiv(v_dim, delta_block_v))](
+        mixed, a_b, ab_x, ab_w, a_log, dt_bias, state, slots,
+        snapshot_slots if snapshot_slots is not None else slots, o, mixed.stride(0), a_b.stride(0), ab_x.stride(0),
+        ab_w.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
+        k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k,
+        BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
+        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1,
+        num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
+        **pdl_options(mixed.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
     round_norm_product = torch.promote_types(norm_weight.dtype, mixed.dtype) == mixed.dtype
     records_here = quantize and v_dim % 32 == 0 and block_v == v_dim
     records = empty_records(rows, width, mixed.device) if records_here else out
-    _gated_delta_decode_kernel[(B, v_heads, triton.cdiv(v_dim, delta_block_v))](
-        mixed, a_b, ab_x, ab_w, a_log, dt_bias, state, slots,
-        snapshot_slots if snapshot_slots is not None else slots, o, z, norm_weight, out, records,
-        _arrivals(mixed.device, B * v_heads), mixed.stride(0), a_b.stride(0), ab_x.stride(0), ab_w.stride(0),
-        o.stride(0), z.stride(0), out.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
-        k_dim**-0.5, hidden, eps, records.shape[1] if records_here else 0, K_HEADS=k_heads, K_DIM=k_dim,
-        V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k, BLOCK_V=delta_block_v, HEAD_BLOCK=block_v, L2_EPS=L2_EPS,
-        SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
-        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, ROUND_NORM_PRODUCT=round_norm_product,
-        QUANTIZE=records_here,
-        num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
-        **pdl_options(mixed.device))
+    record_count = records.shape[1] if records_here else 0
+    heads = min(NORM_HEADS, triton.next_power_of_2(v_heads))
+    lanes = record_count * 32 if records_here else width  # padding blocks past the heads get zero records
+    _gated_norm_kernel[(rows, triton.cdiv(lanes, heads * v_dim))](
+        o, z, norm_weight, out, records, o.stride(0), z.stride(0), out.stride(0), eps, record_count,
+        V_HEADS=v_heads, V_DIM=v_dim, HEADS=heads, BLOCK_V=block_v, ROUND_NORM_PRODUCT=round_norm_product,
+        QUANTIZE=records_here, num_warps=4, **pdl_options(mixed.device))
     if not quantize:
         return out
     return Int8Activations(out, records) if records_here else quantize_activations(out)
