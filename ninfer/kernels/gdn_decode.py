@@ -86,6 +86,7 @@ if triton is not None:
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                                    L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
                                    AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
         head = tl.program_id(1)  # value head; it reads key head head // (V_HEADS // K_HEADS)
@@ -101,15 +102,7 @@ if triton is not None:
         head_tile = head * stride_s_head + ks[:, None] * stride_s_k + vs[None, :] * stride_s_v
         tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
-        S = tl.load(tile, mask=tile_ok, other=0.0, cache_modifier=".cg")
-        if AB_DOT:  # the head's a and b rows of the projection
-            lanes = tl.arange(0, AB_BLOCK)
-            ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
-            w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :], mask=(lanes < AB_K)[None, :],
-                        other=0.0)
-        # the slot, the state tile (last written by this layer's launch of an earlier step) and the weights are in
-        # flight before the wait: they do not depend on the kernels ahead (ninfer.kernels.dependent_launch)
-        wait_for_inputs(PDL)
+        S = tl.load(tile, mask=tile_ok, other=0.0)
         dtype = o_ptr.dtype.element_ty
         for t in tl.static_range(T):  # unrolled: a runtime loop carrying S spills more registers
             row = sequence * T + t
@@ -120,7 +113,11 @@ if triton is not None:
             q = q * tl.rsqrt(tl.sum(q * q, 0) + L2_EPS) * q_scale
             k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
 
-            if AB_DOT:  # a/b from the weight rows and the row's input
+            if AB_DOT:  # the head's a and b rows of the projection, read with the row's input in one wave
+                lanes = tl.arange(0, AB_BLOCK)
+                ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
+                w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :], mask=(lanes < AB_K)[None, :],
+                            other=0.0)
                 x_row = tl.load(ab_x_ptr + row * stride_ab_x + lanes, mask=lanes < AB_K, other=0.0)
                 # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
                 products = tl.fma(w.to(tl.float32), x_row.to(tl.float32)[None, :], tl.zeros([2, AB_BLOCK], tl.float32))
