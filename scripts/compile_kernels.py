@@ -115,6 +115,8 @@ def _record_all() -> None:
     h = torch.randn(2, 256, dtype=torch.bfloat16)
     fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6)
     fused.add_rms_norm(h, h, torch.randn(256, dtype=torch.bfloat16), 1e-6, quantize=True)
+    wide = torch.randn(2, 5120, dtype=torch.bfloat16)  # a decode row spread over several programs
+    fused.add_rms_norm(wide, wide, torch.randn(5120, dtype=torch.bfloat16), 1e-6, quantize=True)
     fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16))
     fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16), quantize=True)
     fused.sigmoid_mul(h, h)
