@@ -73,6 +73,20 @@ def test_add_rms_norm_equals_add_then_rms_norm(width, rows):
     assert same is x and _close(only_norm, rms_norm(x, weight, 1e-6))
 
 
+def test_add_rms_norm_gives_a_row_the_same_bits_in_every_decode_step_size():
+    """A decode or verify step has 1 to 64 rows (MAX_GEMV_TOKENS); a sequence's row must come out the same whatever
+    the others in its step (batch invariance), so every such step takes one program layout."""
+    generator = torch.Generator().manual_seed(64)
+    x = (torch.randn(64, 5120, generator=generator) * 4).to(DEVICE, DTYPE)
+    h = torch.randn(64, 5120, generator=generator).to(DEVICE, DTYPE)
+    weight = (torch.randn(5120, generator=generator) * 0.1).to(DEVICE, DTYPE)
+    _, alone = add_rms_norm(x[:1], h[:1], weight, 1e-6, quantize=True)
+    for rows in (2, 63, 64):
+        _, batched = add_rms_norm(x[:rows], h[:rows], weight, 1e-6, quantize=True)
+        assert torch.equal(batched.source[:1], alone.source), f"{rows} rows"
+        assert torch.equal(batched.blocks[:1], alone.blocks), f"{rows} rows"
+
+
 def test_silu_mul_and_sigmoid_mul_equal_the_torch_ops():
     generator = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(4, 2 * 1500, generator=generator) * 3).to(DEVICE, DTYPE)

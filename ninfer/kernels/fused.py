@@ -144,7 +144,9 @@ if triton is not None:
 
 
 ELEMENTWISE_BLOCK = 1024  # lanes per program of the elementwise kernels (a multiple of 128: whole int8 records)
-NORM_SPLIT_ROWS = 64  # below this many rows a norm spreads each row over several programs
+# up to this many rows (every decode and verify step: MAX_GEMV_TOKENS) a norm spreads each row over several
+# programs; one layout for all of them, so a row's bits do not depend on how many rows the step has
+NORM_SPLIT_ROWS = 64
 
 
 def _check(name: str, *tensors: Tensor) -> None:
@@ -168,7 +170,7 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
     block = max(triton.next_power_of_2(width), padded_lanes(width) if quantize else 1)
     # few rows (a decode step): each row over several programs of ELEMENTWISE_BLOCK lanes, each reducing the whole
     # row itself (one launch, no second pass); many rows (prefill): a program per row
-    split = rows < NORM_SPLIT_ROWS and block > ELEMENTWISE_BLOCK
+    split = rows <= NORM_SPLIT_ROWS and block > ELEMENTWISE_BLOCK
     slice_ = ELEMENTWISE_BLOCK if split else block
     _add_rms_norm_kernel[(rows, triton.cdiv(width, slice_))](  # slices are whole 128-lane units: padding covered
         x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
