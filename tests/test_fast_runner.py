@@ -389,6 +389,39 @@ def test_a_batch_wider_than_the_batch_routes_token_tile_gives_each_sequence_its_
             assert torch.equal(fast.decode_batch([alone], tokens[i : i + 1])[0], batch[step][i]), f"{i}, {step}"
 
 
+def test_the_deferred_mlp_norm_keeps_decode_on_the_oracle_and_verify_on_decodes_bits(monkeypatch):
+    """With NINFER_DEFERRED_NORM=1 (and the demo's matrices on the batch route: K tile lowered to 256 lanes) the norm
+    before each MLP comes as a deferred norm's records, made by the output GEMV's epilogue in one-token steps and
+    by `add_norm_records` in wider ones: decode steps stay on the int8 oracle, a verify step of 3 tokens gives the
+    bits of 3 one-token steps, and a sequence batched with another gets its bits alone."""
+    monkeypatch.setattr(quant_linear, "BATCH_BLOCK_K", 256)
+    monkeypatch.setenv("NINFER_DEFERRED_NORM", "1")
+    calls = []
+    fused_epilogue = runner.quant_linear_gemv_add_norm
+    monkeypatch.setattr(runner, "quant_linear_gemv_add_norm", lambda *a: calls.append(a[0].shape[0]) or
+                        fused_epilogue(*a))
+    reference, fast = _models(DENSE, max_sequences=4, max_verify_tokens=3)
+    assert fast.defers_mlp_norm
+    prompt = torch.tensor(PROMPT[:6])
+    ref_state, states = reference.new_state(32), [fast.new_state(32) for _ in range(3)]
+    reference.forward(prompt, ref_state)
+    for state in states:
+        fast.forward(prompt, state)
+    alone = []
+    for token in (7, 300):
+        with int8_activations(reference, DENSE):
+            expected = reference.forward(torch.tensor([token]), ref_state)
+        alone.append(fast.decode_batch(states[:1], torch.tensor([token]))[0])
+        assert _relative(alone[-1], expected) < DECODE_TOLERANCE
+    for step, token in enumerate((7, 300)):  # two rows a step: the elementwise records, the same bits
+        both = fast.decode_batch(states[1:], torch.tensor([token, token]))
+        assert torch.equal(both[0], alone[step]) and torch.equal(both[1], alone[step])
+    drafts = torch.tensor([[11, 12, 13]])
+    stepped = torch.stack([fast.decode_batch(states[:1], drafts[:, t]) for t in range(3)], dim=1)
+    assert torch.equal(fast.verify(states[1:2], drafts), stepped)
+    assert calls and set(calls) == {1}  # the epilogue in one-token steps only
+
+
 def test_snapshots_share_full_pages_by_reference_and_give_them_back(dense):
     _, fast = dense
     cache = fast.cache
