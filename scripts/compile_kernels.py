@@ -154,6 +154,14 @@ def _record_all() -> None:
                                   torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
                                   torch.zeros(6, v_heads, k_dim, v_dim), slots[:1], k_heads, k_dim, v_heads, v_dim,
                                   1e-6, quantize=True)
+    _, deferred = fused.add_norm_records(*(torch.randn(2, 5120, dtype=torch.bfloat16) for _ in range(2)),
+                                         torch.randn(5120, dtype=torch.bfloat16), 1e-6)
+    gdn_decode.gated_delta_decode(torch.randn(2, channels, dtype=torch.bfloat16),  # a/b from a deferred norm
+                                  torch.randn(2, v_heads * v_dim, dtype=torch.bfloat16),
+                                  (deferred, torch.randn(2 * v_heads, 5120, dtype=torch.bfloat16)),
+                                  torch.randn(v_heads), torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
+                                  torch.zeros(6, v_heads, k_dim, v_dim), slots, k_heads, k_dim, v_heads, v_dim, 1e-6,
+                                  quantize=True)
     del mixed
     heads, kv_heads, head_dim = 24, 4, 256
     query_key = torch.randn(2, (heads + kv_heads) * head_dim, dtype=torch.bfloat16)

@@ -110,12 +110,24 @@ class FastQwen35:
         self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.use_graphs = graphs and self.device.type == "cuda"
-        # decode and verify steps defer the norm before a dense MLP into its gate/up GEMV (`_add_norm`) where that
-        # GEMV takes the batch route and the hidden rows are whole 128-lane record units; only with
-        # NINFER_DEFERRED_NORM=1 until it has been measured on a GPU (docs/fast-path.md)
-        self.defers_mlp_norm = os.environ.get("NINFER_DEFERRED_NORM") == "1" and not config.moe \
-            and config.hidden % LANE_PAD == 0 and all(
+        # decode and verify steps defer a norm into the GEMVs that read its output (`_add_norm`) where they all
+        # take the batch route (or, the GDN's dense a/b projection, the delta-rule kernel) and the hidden rows are
+        # whole 128-lane record units: the norm before a dense MLP, and the norm before each mixer (and the head);
+        # only with NINFER_DEFERRED_NORM=1 until it has been measured on a GPU (docs/fast-path.md)
+        deferred = os.environ.get("NINFER_DEFERRED_NORM") == "1" and config.hidden % LANE_PAD == 0
+        self.defers_mlp_norm = deferred and not config.moe and all(
             linears[f"layers/{i}/mlp/gate_up"].batch_route for i in range(config.layers))
+        self.defers_mixer_norm = deferred and self.head.batch_route and all(
+            self._reads_deferred_norms(i) for i in range(config.layers))
+
+    def _reads_deferred_norms(self, layer: int) -> bool:
+        """Whether every matrix that reads the input of mixer `layer` takes a deferred norm's records."""
+        prefix = f"layers/{layer}/"
+        if self.config.layer_types[layer] == FULL_ATTENTION:
+            return all(self.linears[prefix + f"attention/{n}"].batch_route for n in ("query_key", "gate_value"))
+        query_key, value_z, a_b = (self.linears[prefix + "gdn/" + n] for n in GDN_PROJECTIONS)
+        dense_ab = a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K  # in the delta-rule kernel
+        return query_key.batch_route and value_z.batch_route and (a_b.batch_route or dense_ab)
 
     @property
     def kv_capacity(self) -> int:
@@ -391,36 +403,43 @@ class FastQwen35:
 
     def _layers(self, x: torch.Tensor, attention, gdn, integer: bool) -> torch.Tensor:
         """The decoder layers and the final norm over embedded tokens x `[T, H]`; the residual adds are fused into
-        the next norm. `attention(h, layer)` / `gdn(h, layer)` are the mixers, which return their output matrix and
-        its input (`_add_norm` multiplies them); `integer`: decode-step numerics
-        (int8 activations in the GEMVs, MoE experts gathered per token) rather than the prefill's — then h comes
-        as `Int8Activations`, quantized by the norm that made it."""
+        the next norm (`_add_norm`). `attention(h, layer)` / `gdn(h, layer)` are the mixers, which return their
+        output matrix and its input; `integer`: decode-step numerics (int8 activations in the GEMVs, MoE experts
+        gathered per token) rather than the prefill's — then h comes as `Int8Activations`, quantized by the norm
+        that made it (or a deferred norm's records: `defers_mlp_norm`, `defers_mixer_norm`)."""
         c = self.config
         quantize = self._quantizes(x, integer)  # the norms emit the GEMVs' int8 records themselves
         x, h = add_rms_norm(x, None, self.vectors["layers/0/input_norm"], c.rms_eps, quantize)
         for i, kind in enumerate(c.layer_types):
             prefix = f"layers/{i}/"
-            output, mixed = attention(h, i) if kind == FULL_ATTENTION else gdn(h, i)
-            x, h = self._add_norm(x, output, mixed, self.vectors[prefix + "post_attention_norm"], integer,
+            mixed = attention(h, i) if kind == FULL_ATTENTION else gdn(h, i)
+            x, h = self._add_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], integer,
                                   quantize and self.defers_mlp_norm)
             following = f"layers/{i + 1}/input_norm" if i + 1 < c.layers else "final_norm"
-            x, h = add_rms_norm(x, self._mlp(h, prefix, integer), self.vectors[following], c.rms_eps, quantize)
+            x, h = self._add_norm(x, self._mlp(h, prefix, integer), self.vectors[following], integer,
+                                  quantize and self.defers_mixer_norm)
         return h
 
-    def _add_norm(self, x: torch.Tensor, reader: PackedLinear, inputs: torch.Tensor | Int8Activations,
+    def _add_norm(self, x: torch.Tensor, product: torch.Tensor | tuple[PackedLinear, torch.Tensor | Int8Activations],
                   weight: torch.Tensor, integer: bool, defer: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(s, the norm of s) with s = x + reader(inputs), a mixer's output added to the residual. With `defer` the
+        """(s, the norm of s) with s = x + product: a tensor, or (matrix, its input) to multiply. With `defer` the
         norm comes as a deferred norm's records (`activation_quant`: the GEMV that reads them applies the row's
-        factor), which need no launch that reduces the row: in a one-token step the output GEMV makes them in its
-        epilogue (`quant_linear_gemv_add_norm`), else one elementwise launch after it (`add_norm_records`), with
-        the same bits."""
+        factor), which need no launch that reduces the row: in a one-token step a matrix's GEMV makes them in its
+        epilogue (`quant_linear_gemv_add_norm`), else one elementwise launch after the product
+        (`add_norm_records`), with the same bits."""
         eps = self.config.rms_eps
-        if not defer:
-            return add_rms_norm(x, self._linear(reader, inputs, integer), weight, eps, self._quantizes(x, integer))
-        acts = self._input(inputs, [reader], integer)
-        if x.shape[0] <= ADD_NORM_GEMV_TOKENS and reader.batch_route and isinstance(acts, Int8Activations):
-            return quant_linear_gemv_add_norm(acts, reader.data, reader.shape, reader.format, x, weight, eps)
-        return add_norm_records(x, reader(acts, out_dtype=x.dtype), weight, eps)
+        if isinstance(product, tuple):
+            reader, inputs = product
+            if not defer:
+                product = self._linear(reader, inputs, integer)
+            else:
+                acts = self._input(inputs, [reader], integer)
+                if x.shape[0] <= ADD_NORM_GEMV_TOKENS and reader.batch_route and isinstance(acts, Int8Activations):
+                    return quant_linear_gemv_add_norm(acts, reader.data, reader.shape, reader.format, x, weight, eps)
+                product = reader(acts, out_dtype=x.dtype)
+        if defer:
+            return add_norm_records(x, product, weight, eps)
+        return add_rms_norm(x, product, weight, eps, self._quantizes(x, integer))
 
     def _attention_inputs(self, h: torch.Tensor, layer: int, positions: torch.Tensor, tables: torch.Tensor,
                           integer: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
@@ -465,9 +484,15 @@ class FastQwen35:
         if a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K and h.shape[0] <= MAX_GEMV_TOKENS:
             # a dense a/b projection: for one row in the delta-rule kernel, which reads the head's two rows itself
             # (one launch fewer); for more rows (where the kernel's programs would read them once per column tile)
-            # through the dense GEMV with the same fixed-order sums, so a token's bits never depend on the batch
-            x = (source.source if isinstance(source, Int8Activations) else source).to(a_b.weight.dtype)
-            a_b = (x, a_b.weight) if x.shape[0] == 1 else dense_linear_gemv(x, a_b.weight, self.dtype, pairwise=True)
+            # through the dense GEMV with the same fixed-order sums, so a token's bits never depend on the batch. A
+            # deferred norm's records (which only a kernel that applies the row's factor reads) go to the kernel
+            # at any T
+            if isinstance(source, Int8Activations) and source.norm_eps is not None:
+                a_b = (source, a_b.weight)
+            else:
+                x = (source.source if isinstance(source, Int8Activations) else source).to(a_b.weight.dtype)
+                a_b = (x, a_b.weight) if x.shape[0] == 1 else dense_linear_gemv(x, a_b.weight, self.dtype,
+                                                                               pairwise=True)
         else:
             a_b = a_b(source)
         index = self.cache.gdn_index[layer]
@@ -480,14 +505,16 @@ class FastQwen35:
                                quantize=self._quantizes_for(output, mixed, self.int8_activations))
         return output, o
 
-    def _mlp(self, h: torch.Tensor, prefix: str, integer: bool) -> torch.Tensor:
-        """SwiGLU MLP or sparse MoE. With `integer` (decode, verify) every (token, expert) pair goes through the
-        gathering GEMV (no host sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
+    def _mlp(self, h: torch.Tensor, prefix: str,
+             integer: bool) -> torch.Tensor | tuple[PackedLinear, torch.Tensor | Int8Activations]:
+        """SwiGLU MLP (returned as its down matrix and that matrix's input, for `_add_norm`) or sparse MoE (its
+        output). With `integer` (decode, verify) every (token, expert) pair goes through the gathering GEMV (no host
+        sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
         c = self.config
         if not c.moe:
             gate_up = self._linear(self.linears[prefix + "mlp/gate_up"], h, integer)
             down = self.linears[prefix + "mlp/down"]
-            return self._linear(down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer)), integer)
+            return down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer))
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]

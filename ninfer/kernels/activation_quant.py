@@ -122,17 +122,6 @@ if triton is not None:
         _store_block_records(x, record_ptr + blocks * 12, blocks < block_count, 0)
 
     @triton.jit
-    def _mul_rn(a, b, ASM: tl.constexpr):
-        """a · b rounded on its own: `mul.rn` on NVIDIA GPUs, which the compiler never fuses into an FMA with a
-        later add (so kernels that sum the products get the same bits); a plain product elsewhere."""
-        if ASM:
-            r = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
-                                          pack=1)
-        else:
-            r = a * b
-        return r
-
-    @triton.jit
     def _pairwise_lanes(values, WIDTH: tl.constexpr):
         """Σ over the last axis (WIDTH, a power of 2) of `[B, WIDTH]` by halving (lane b + WIDTH / 2 onto b): a
         fixed order whatever the layout."""
@@ -143,12 +132,13 @@ if triton is not None:
         return r
 
     @triton.jit
-    def store_norm_records(s, w, record, ok, ASM: tl.constexpr):
+    def store_norm_records(s, w, record, ok):
         """The records of a deferred norm (module docstring) of blocks of residual sums s `[B, 32]` fp32 with
-        norm weights w (broadcast to s): z = s · (1 + w) quantized, Σ s² (products rounded alone, summed in a fixed
-        order: the same bits in every kernel that calls this) in word 10; `record` `[B]` points at each block's
-        record, stored where `ok` `[B]`."""
-        squares = _pairwise_lanes(_mul_rn(s, s, ASM), 32)
+        norm weights w (broadcast to s): z = s · (1 + w) quantized, Σ s² in word 10 — the squares from
+        `tl.fma(s, s, 0)`, rounded alone (a product written into a sum would be fused into an FMA and rounded once
+        less, depending on the kernel), summed in a fixed order: the same bits in every kernel that calls this;
+        `record` `[B]` points at each block's record, stored where `ok` `[B]`."""
+        squares = _pairwise_lanes(tl.fma(s, s, tl.zeros_like(s)), 32)
         _store_block_records(s * (1.0 + w), record, ok, squares.to(tl.int32, bitcast=True))
 
     @triton.jit
@@ -174,6 +164,26 @@ if triton is not None:
         tl.store(record, even, mask=ok)
         tl.store(record + 4, odd, mask=ok)
         tl.store(record + 8, meta, mask=ok)
+
+    @triton.jit
+    def record_lanes(positions):
+        """The lane within its block (0..31) of each code position of a record, in the order `load_block_values`
+        gives them: position 16 · parity + 4 · unit + byte holds lane 8 · unit + 2 · byte + parity."""
+        return 8 * ((positions // 4) % 4) + 2 * (positions % 4) + (positions // 16) % 2
+
+    @triton.jit
+    def load_block_values(record_ptr, blocks, block_count):
+        """The values q · s `[B, 32]` fp32 of blocks `blocks` `[B]` of the row whose records start at `record_ptr`,
+        in the records' byte order (`record_lanes` maps it to lanes: no shuffle between layouts), and each block's
+        word 10 as fp32 (a deferred norm's Σ s²); blocks ≥ `block_count` give zeros. For kernels that read records
+        value by value rather than through `dp4a` (the GDN's dense a/b projection)."""
+        ok = blocks < block_count
+        record = record_ptr + blocks * 12
+        words = tl.load(record[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0)
+        codes = (((words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF) ^ 0x80) - 0x80
+        scale = tl.load(record + 8, mask=ok, other=0).to(tl.float32, bitcast=True)
+        squares = tl.load(record + 10, mask=ok, other=0).to(tl.float32, bitcast=True)
+        return tl.reshape(codes, [blocks.shape[0], 32]).to(tl.float32) * scale[:, None], squares
 
     @triton.jit
     def store_tile_records(y, records_ptr, row, record_count, LANES: tl.constexpr):

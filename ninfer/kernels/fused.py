@@ -27,7 +27,6 @@ from torch import Tensor
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
-from ninfer.kernels.quant_linear import ASM
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -75,7 +74,7 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_records_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, records_ptr, D, stride_x, stride_h, record_count,
-                                 BLOCK: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                                 BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # whole 128-lane units: the records' padding covered
@@ -86,7 +85,7 @@ if triton is not None:
         w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
         blocks = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
         store_norm_records(tl.reshape(s.to(tl.float32), [BLOCK // 32, 32]), tl.reshape(w, [BLOCK // 32, 32]),
-                           records_ptr + (row * record_count + blocks) * 12, blocks < record_count, ASM)
+                           records_ptr + (row * record_count + blocks) * 12, blocks < record_count)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE: tl.constexpr,
@@ -204,7 +203,7 @@ def add_norm_records(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[
     records = empty_records(rows, width, x.device)
     _add_norm_records_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
         x, h, weight, total, records, width, x.stride(0), h.stride(0), records.shape[1], BLOCK=ELEMENTWISE_BLOCK,
-        ASM=ASM, num_warps=4, **pdl_options(x.device))
+        num_warps=4, **pdl_options(x.device))
     return total, Int8Activations(total, records, eps)
 
 

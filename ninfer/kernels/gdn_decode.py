@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 if triton is not None:
-    from ninfer.kernels.activation_quant import store_tile_records
+    from ninfer.kernels.activation_quant import load_block_values, record_lanes, store_tile_records
     from ninfer.kernels.dense_linear import pairwise_row_sum
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
@@ -81,11 +81,12 @@ if triton is not None:
     @triton.jit
     def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr,
                                    snapshot_ptr, o_ptr, stride_mixed, stride_a_b, stride_ab_x, stride_ab_w, stride_o,
-                                   stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K,
-                                   K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
+                                   stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K, ab_records,
+                                   ab_eps, K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                                    L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
-                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, AB_DEFERRED: tl.constexpr,
+                                   PDL: tl.constexpr):
         wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
@@ -114,14 +115,27 @@ if triton is not None:
             k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
 
             if AB_DOT:  # the head's a and b rows of the projection, read with the row's input in one wave
-                lanes = tl.arange(0, AB_BLOCK)
                 ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
-                w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :], mask=(lanes < AB_K)[None, :],
-                            other=0.0)
-                x_row = tl.load(ab_x_ptr + row * stride_ab_x + lanes, mask=lanes < AB_K, other=0.0)
-                # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
-                products = tl.fma(w.to(tl.float32), x_row.to(tl.float32)[None, :], tl.zeros([2, AB_BLOCK], tl.float32))
-                a_b = pairwise_row_sum(products, AB_BLOCK).to(dtype)
+                if AB_DEFERRED:  # a deferred norm's records: their values, the row's factor applied to the sums
+                    values, squares = load_block_values(ab_x_ptr + row * stride_ab_x, tl.arange(0, AB_BLOCK // 32),
+                                                        ab_records)
+                    # the weights in the records' order of values `[2, blocks, 32]`
+                    lanes = tl.arange(0, AB_BLOCK // 32)[:, None] * 32 + record_lanes(tl.arange(0, 32))[None, :]
+                    w = tl.load(ab_w_ptr + ab_rows[:, None, None] * stride_ab_w + lanes[None, :, :],
+                                mask=(lanes < AB_K)[None, :, :], other=0.0)
+                    products = tl.fma(w.to(tl.float32), values[None, :, :], tl.zeros([2, AB_BLOCK // 32, 32],
+                                                                                    tl.float32))
+                    a_b = pairwise_row_sum(tl.reshape(products, [2, AB_BLOCK]), AB_BLOCK)
+                    a_b = a_b * tl.rsqrt(pairwise_row_sum(squares[None, :], AB_BLOCK // 32) / AB_K + ab_eps)
+                else:  # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
+                    lanes = tl.arange(0, AB_BLOCK)
+                    w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :],
+                                mask=(lanes < AB_K)[None, :], other=0.0)
+                    x_row = tl.load(ab_x_ptr + row * stride_ab_x + lanes, mask=lanes < AB_K, other=0.0)
+                    products = tl.fma(w.to(tl.float32), x_row.to(tl.float32)[None, :],
+                                      tl.zeros([2, AB_BLOCK], tl.float32))
+                    a_b = pairwise_row_sum(products, AB_BLOCK)
+                a_b = a_b.to(dtype)
                 a = tl.sum(tl.where(tl.arange(0, 2) == 0, a_b, 0.0), 0).to(tl.float32)
                 b = tl.sum(tl.where(tl.arange(0, 2) == 1, a_b, 0.0), 0).to(dtype)
             else:
@@ -263,12 +277,13 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     `[B·T, v_heads·v_dim]`; a_b either the projection's output `[B·T, 2·v_heads]` (a | b) or, to compute it in
     the delta-rule launch, the pair (x `[B·T, H]`, W `[2·v_heads, H]`, one dtype, H ≤ AB_IN_KERNEL_MAX_K): a_b =
     x · Wᵀ in fp32 with the fixed-order sums of `dense_linear_gemv(x, W, pairwise=True)` (the same bits), rounded
-    to mixed's dtype — each with unit column stride, row views fine; a_log, dt_bias `[v_heads]`; norm_weight
-    `[v_dim]`; state `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots `[B]` int32/int64; slots and
-    snapshot slots all distinct, in [0, S) (not checked: no host sync); v_heads a multiple of k_heads. All on one
-    device. Returns out `[B·T, v_heads·v_dim]` in mixed's dtype; with `quantize`, as `Int8Activations` (the
-    output projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the
-    quantizer).
+    to mixed's dtype — each with unit column stride, row views fine; x may also be a deferred norm's records
+    (`Int8Activations` with `norm_eps`: fixed-order sums over their values q · s, times the row's factor); a_log,
+    dt_bias `[v_heads]`; norm_weight `[v_dim]`; state `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots
+    `[B]` int32/int64; slots and snapshot slots all distinct, in [0, S) (not checked: no host sync); v_heads a
+    multiple of k_heads. All on one device. Returns out `[B·T, v_heads·v_dim]` in mixed's dtype; with
+    `quantize`, as `Int8Activations` (the output projection's input: its records made by the norm kernel when
+    v_dim is a multiple of 32, else by the quantizer).
 
     Two launches: the delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
     on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated
@@ -287,12 +302,18 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     _check_rows(name, "mixed", mixed, rows, 2 * k_heads * k_dim + v_heads * v_dim)
     _check_rows(name, "z", z, rows, v_heads * v_dim)
     ab_dot = isinstance(a_b, tuple)
+    ab_records, ab_eps = 0, 0.0
     if ab_dot:
         ab_x, ab_w = a_b
         hidden = ab_w.shape[-1]
         _check_rows(name, "the a/b weight", ab_w, 2 * v_heads, hidden)
-        _check_rows(name, "the a/b input", ab_x, rows, hidden)
-        if hidden > AB_IN_KERNEL_MAX_K or ab_x.dtype != ab_w.dtype:
+        if isinstance(ab_x, Int8Activations):
+            if ab_x.norm_eps is None or ab_x.shape != (rows, hidden):
+                raise ValueError(f"{name}: records as the a/b input must be a deferred norm's of [{rows}, {hidden}]")
+            ab_records, ab_eps, ab_x = ab_x.blocks.shape[1], ab_x.norm_eps, ab_x.blocks
+        else:
+            _check_rows(name, "the a/b input", ab_x, rows, hidden)
+        if hidden > AB_IN_KERNEL_MAX_K or (not ab_records and ab_x.dtype != ab_w.dtype):
             raise ValueError(f"{name}: the a/b product in the kernel takes one dtype and K ≤ {AB_IN_KERNEL_MAX_K}, "
                              f"got {ab_x.dtype} x, {ab_w.dtype} W, K = {hidden}")
         a_b = mixed  # its own pointer is unused
@@ -322,9 +343,9 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         mixed, a_b, ab_x, ab_w, a_log, dt_bias, state, slots,
         snapshot_slots if snapshot_slots is not None else slots, o, mixed.stride(0), a_b.stride(0), ab_x.stride(0),
         ab_w.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
-        k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k,
-        BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
-        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1,
+        k_dim**-0.5, hidden, ab_records, ab_eps, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim,
+        BLOCK_K=block_k, BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens,
+        AB_DOT=ab_dot, AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, AB_DEFERRED=ab_records > 0,
         num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
         **pdl_options(mixed.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype

@@ -378,8 +378,7 @@ if triton is not None:
         tl.store(sum_ptr + at, s, mask=token_ok[:, None])
         block = program // tl.cdiv(T, BLOCK_T)  # the program's 32 rows are activation block `block`
         record = records_ptr + (tl.minimum(tokens, T - 1).to(tl.int64) * record_count + block) * 12
-        store_norm_records(s.to(tl.float32), tl.load(weight_ptr + rows).to(tl.float32)[None, :], record, token_ok,
-                           ASM)
+        store_norm_records(s.to(tl.float32), tl.load(weight_ptr + rows).to(tl.float32)[None, :], record, token_ok)
 
     @triton.jit
     def _batch_store(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
