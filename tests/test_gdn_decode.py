@@ -174,11 +174,13 @@ def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden)
     assert not torch.equal(fused_state, state)  # the step ran
 
 
-def test_the_a_b_product_in_the_kernel_reads_a_deferred_norms_records():
+@pytest.mark.parametrize("hidden", [256, 1280])
+def test_the_a_b_product_in_the_kernel_reads_a_deferred_norms_records(hidden):
     """With a deferred norm's records as the a/b input (the runner's decode steps with NINFER_DEFERRED_NORM=1), the
     kernel multiplies their values and applies the row's factor: the step equals the one given a/b computed from
-    the records in float64, and a row's bits do not depend on the other rows (verify = decode)."""
-    d, device, hidden = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=32), _device(), 256
+    the records in float64, and a row's bits do not depend on the other rows (verify = decode). 1,280 lanes take
+    two turns of the kernel's 1,024-lane loop, the second one partly past the row."""
+    d, device = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=32), _device()
     generator = torch.Generator().manual_seed(3)
 
     def randn(*shape, scale=1.0):

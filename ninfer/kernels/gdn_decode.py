@@ -43,6 +43,9 @@ NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
 # a dense a/b projection up to this K is computed in the delta-rule launch (the head's two rows and the input row
 # in registers beside the state tile)
 AB_IN_KERNEL_MAX_K = 8192
+# lanes of a deferred norm's records per turn of the a/b product's loop (its registers: the bf16 row's product, in
+# one piece, takes 128 on sm_90; in one piece from records, 255 and a spill)
+AB_RECORD_CHUNK = 1024
 
 
 if triton is not None:
@@ -86,7 +89,7 @@ if triton is not None:
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                                    L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
                                    AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, AB_DEFERRED: tl.constexpr,
-                                   PDL: tl.constexpr):
+                                   AB_CHUNK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
@@ -116,17 +119,22 @@ if triton is not None:
 
             if AB_DOT:  # the head's a and b rows of the projection, read with the row's input in one wave
                 ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
-                if AB_DEFERRED:  # a deferred norm's records: their values, the row's factor applied to the sums
-                    values, squares = load_block_values(ab_x_ptr + row * stride_ab_x, tl.arange(0, AB_BLOCK // 32),
-                                                        ab_records)
-                    # the weights in the records' order of values `[2, blocks, 32]`
-                    lanes = tl.arange(0, AB_BLOCK // 32)[:, None] * 32 + record_lanes(tl.arange(0, 32))[None, :]
-                    w = tl.load(ab_w_ptr + ab_rows[:, None, None] * stride_ab_w + lanes[None, :, :],
-                                mask=(lanes < AB_K)[None, :, :], other=0.0)
-                    products = tl.fma(w.to(tl.float32), values[None, :, :], tl.zeros([2, AB_BLOCK // 32, 32],
-                                                                                    tl.float32))
-                    a_b = pairwise_row_sum(tl.reshape(products, [2, AB_BLOCK]), AB_BLOCK)
-                    a_b = a_b * tl.rsqrt(pairwise_row_sum(squares[None, :], AB_BLOCK // 32) / AB_K + ab_eps)
+                if AB_DEFERRED:  # a deferred norm's records, AB_CHUNK lanes at a time (registers): their values
+                    # times the weights in the records' order (`record_lanes`), the row's factor applied to the sums
+                    CHUNK_BLOCKS: tl.constexpr = AB_CHUNK // 32
+                    a_b = tl.zeros([2], tl.float32)
+                    squares = tl.zeros([1], tl.float32)
+                    for c in range(0, tl.cdiv(AB_K, AB_CHUNK)):
+                        blocks = c * CHUNK_BLOCKS + tl.arange(0, CHUNK_BLOCKS)
+                        values, block_squares = load_block_values(ab_x_ptr + row * stride_ab_x, blocks, ab_records)
+                        lanes = blocks[:, None] * 32 + record_lanes(tl.arange(0, 32))[None, :]
+                        w = tl.load(ab_w_ptr + ab_rows[:, None, None] * stride_ab_w + lanes[None, :, :],
+                                    mask=(lanes < AB_K)[None, :, :], other=0.0)
+                        products = tl.fma(w.to(tl.float32), values[None, :, :],
+                                          tl.zeros([2, CHUNK_BLOCKS, 32], tl.float32))
+                        a_b += pairwise_row_sum(tl.reshape(products, [2, AB_CHUNK]), AB_CHUNK)
+                        squares += pairwise_row_sum(block_squares[None, :], CHUNK_BLOCKS)
+                    a_b = a_b * tl.rsqrt(squares / AB_K + ab_eps)
                 else:  # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
                     lanes = tl.arange(0, AB_BLOCK)
                     w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :],
@@ -346,6 +354,7 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         k_dim**-0.5, hidden, ab_records, ab_eps, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim,
         BLOCK_K=block_k, BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens,
         AB_DOT=ab_dot, AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, AB_DEFERRED=ab_records > 0,
+        AB_CHUNK=min(AB_RECORD_CHUNK, triton.next_power_of_2(hidden)) if ab_records else 1,
         num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
         **pdl_options(mixed.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
