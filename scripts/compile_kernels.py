@@ -162,6 +162,7 @@ def _record_all() -> None:
                                   torch.randn(v_heads), torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
                                   torch.zeros(6, v_heads, k_dim, v_dim), slots, k_heads, k_dim, v_heads, v_dim, 1e-6,
                                   quantize=True)
+    gdn_decode.deferred_a_b(deferred, torch.randn(2 * v_heads, 5120, dtype=torch.bfloat16), torch.bfloat16)
     del mixed
     heads, kv_heads, head_dim = 24, 4, 256
     query_key = torch.randn(2, (heads + kv_heads) * head_dim, dtype=torch.bfloat16)

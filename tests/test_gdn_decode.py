@@ -18,7 +18,7 @@ from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_norm_records
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_recurrent, l2_normalize
-from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
+from ninfer.kernels.gdn_decode import conv1d_update, deferred_a_b, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 
 
@@ -178,8 +178,9 @@ def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden)
 def test_the_a_b_product_in_the_kernel_reads_a_deferred_norms_records(hidden):
     """With a deferred norm's records as the a/b input (the runner's decode steps with NINFER_DEFERRED_NORM=1), the
     kernel multiplies their values and applies the row's factor: the step equals the one given a/b computed from
-    the records in float64, and a row's bits do not depend on the other rows (verify = decode). 1,280 lanes take
-    two turns of the kernel's 1,024-lane loop, the second one partly past the row."""
+    the records in float64; a row's bits depend neither on the other rows nor on whether a/b is computed in the
+    delta-rule launch (one-token steps) or by `deferred_a_b` (wider steps): verify = decode. 1,280 lanes take two
+    turns of the 1,024-lane loop, the second one partly past the row."""
     d, device = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=32), _device()
     generator = torch.Generator().manual_seed(3)
 
@@ -203,6 +204,10 @@ def test_the_a_b_product_in_the_kernel_reads_a_deferred_norms_records(hidden):
     alone = gated_delta_decode(mixed[1:2], z[1:2], (records.rows(slice(1, 2)), weight), *vectors, alone_state,
                                slots[1:2], *args)
     assert torch.equal(alone, got[1:2]) and torch.equal(alone_state[0], got_state[0])
+    launched_state = state.clone()  # a/b in a launch of its own (steps of several rows): the same bits
+    launched = gated_delta_decode(mixed, z, deferred_a_b(records, weight, mixed.dtype), *vectors, launched_state,
+                                  slots, *args)
+    assert torch.equal(launched, got) and torch.equal(launched_state, got_state)
 
 
 def test_decode_splits_a_heads_state_into_column_tiles():

@@ -38,7 +38,7 @@ from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_norm_records, add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
-from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, gated_delta_decode
+from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, deferred_a_b, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs, quant_linear_gemv_add_norm
@@ -485,10 +485,10 @@ class FastQwen35:
             # a dense a/b projection: for one row in the delta-rule kernel, which reads the head's two rows itself
             # (one launch fewer); for more rows (where the kernel's programs would read them once per column tile)
             # through the dense GEMV with the same fixed-order sums, so a token's bits never depend on the batch. A
-            # deferred norm's records (which only a kernel that applies the row's factor reads) go to the kernel
-            # at any T
+            # deferred norm's records (which only a kernel that applies the row's factor reads) take the same two
+            # routes with their own kernel's bits
             if isinstance(source, Int8Activations) and source.norm_eps is not None:
-                a_b = (source, a_b.weight)
+                a_b = (source, a_b.weight) if h.shape[0] == 1 else deferred_a_b(source, a_b.weight, self.dtype)
             else:
                 x = (source.source if isinstance(source, Int8Activations) else source).to(a_b.weight.dtype)
                 a_b = (x, a_b.weight) if x.shape[0] == 1 else dense_linear_gemv(x, a_b.weight, self.dtype,

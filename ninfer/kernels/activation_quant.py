@@ -166,24 +166,20 @@ if triton is not None:
         tl.store(record + 8, meta, mask=ok)
 
     @triton.jit
-    def record_lanes(positions):
-        """The lane within its block (0..31) of each code position of a record, in the order `load_block_values`
-        gives them: position 16 · parity + 4 · unit + byte holds lane 8 · unit + 2 · byte + parity."""
-        return 8 * ((positions // 4) % 4) + 2 * (positions % 4) + (positions // 16) % 2
-
-    @triton.jit
     def load_block_values(record_ptr, blocks, block_count):
-        """The values q · s `[B, 32]` fp32 of blocks `blocks` `[B]` of the row whose records start at `record_ptr`,
-        in the records' byte order (`record_lanes` maps it to lanes: no shuffle between layouts), and each block's
-        word 10 as fp32 (a deferred norm's Σ s²); blocks ≥ `block_count` give zeros. For kernels that read records
-        value by value rather than through `dp4a` (the GDN's dense a/b projection)."""
+        """The values q · s `[B, 32]` fp32, in lane order, of blocks `blocks` `[B]` of the row whose records start at
+        `record_ptr`, and each block's word 10 as fp32 (a deferred norm's Σ s²); blocks ≥ `block_count` give zeros.
+        For kernels that read records value by value rather than through `dp4a` (the GDN's dense a/b projection)."""
         ok = blocks < block_count
         record = record_ptr + blocks * 12
         words = tl.load(record[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0)
         codes = (((words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF) ^ 0x80) - 0x80
+        # byte order (parity, unit, byte) to lanes (unit, byte, parity): lane 8 · unit + 2 · byte + parity
+        lanes = tl.reshape(tl.permute(tl.reshape(codes, [blocks.shape[0], 2, 4, 4]), (0, 2, 3, 1)),
+                           [blocks.shape[0], 32])
         scale = tl.load(record + 8, mask=ok, other=0).to(tl.float32, bitcast=True)
         squares = tl.load(record + 10, mask=ok, other=0).to(tl.float32, bitcast=True)
-        return tl.reshape(codes, [blocks.shape[0], 32]).to(tl.float32) * scale[:, None], squares
+        return lanes.to(tl.float32) * scale[:, None], squares
 
     @triton.jit
     def store_tile_records(y, records_ptr, row, record_count, LANES: tl.constexpr):

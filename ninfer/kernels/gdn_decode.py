@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 if triton is not None:
-    from ninfer.kernels.activation_quant import load_block_values, record_lanes, store_tile_records
+    from ninfer.kernels.activation_quant import load_block_values, store_tile_records
     from ninfer.kernels.dense_linear import pairwise_row_sum
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
@@ -82,6 +82,35 @@ if triton is not None:
             tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _records_a_b(record_ptr, w_ptr, w_rows, stride_w, K, record_count, eps, CHUNK: tl.constexpr):
+        """The a/b products `[2]` fp32 of weight rows `w_rows` `[2]` with a row of a deferred norm's records (at
+        `record_ptr`), CHUNK lanes a turn (registers): per turn the values (`load_block_values`) times the weights,
+        summed in a fixed tree; the row's factor applied at the end."""
+        BLOCKS: tl.constexpr = CHUNK // 32
+        a_b = tl.zeros([2], tl.float32)
+        squares = tl.zeros([1], tl.float32)
+        for c in range(0, tl.cdiv(K, CHUNK)):
+            blocks = c * BLOCKS + tl.arange(0, BLOCKS)
+            values, block_squares = load_block_values(record_ptr, blocks, record_count)
+            values = tl.reshape(values, [CHUNK])
+            lanes = c * CHUNK + tl.arange(0, CHUNK)
+            w = tl.load(w_ptr + w_rows[:, None] * stride_w + lanes[None, :], mask=(lanes < K)[None, :], other=0.0)
+            a_b += pairwise_row_sum(tl.fma(w.to(tl.float32), values[None, :], tl.zeros([2, CHUNK], tl.float32)),
+                                    CHUNK)
+            squares += pairwise_row_sum(block_squares[None, :], BLOCKS)
+        return a_b * tl.rsqrt(squares / K + eps)
+
+    @triton.jit
+    def _records_a_b_kernel(records_ptr, w_ptr, out_ptr, stride_records, stride_w, stride_out, K, record_count, eps,
+                            V_HEADS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)  # the head's a and b rows, as the delta-rule kernel computes them
+        w_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
+        a_b = _records_a_b(records_ptr + row * stride_records, w_ptr, w_rows, stride_w, K, record_count, eps, CHUNK)
+        tl.store(out_ptr + row * stride_out + w_rows, a_b.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
     def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr,
                                    snapshot_ptr, o_ptr, stride_mixed, stride_a_b, stride_ab_x, stride_ab_w, stride_o,
                                    stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K, ab_records,
@@ -119,22 +148,9 @@ if triton is not None:
 
             if AB_DOT:  # the head's a and b rows of the projection, read with the row's input in one wave
                 ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
-                if AB_DEFERRED:  # a deferred norm's records, AB_CHUNK lanes at a time (registers): their values
-                    # times the weights in the records' order (`record_lanes`), the row's factor applied to the sums
-                    CHUNK_BLOCKS: tl.constexpr = AB_CHUNK // 32
-                    a_b = tl.zeros([2], tl.float32)
-                    squares = tl.zeros([1], tl.float32)
-                    for c in range(0, tl.cdiv(AB_K, AB_CHUNK)):
-                        blocks = c * CHUNK_BLOCKS + tl.arange(0, CHUNK_BLOCKS)
-                        values, block_squares = load_block_values(ab_x_ptr + row * stride_ab_x, blocks, ab_records)
-                        lanes = blocks[:, None] * 32 + record_lanes(tl.arange(0, 32))[None, :]
-                        w = tl.load(ab_w_ptr + ab_rows[:, None, None] * stride_ab_w + lanes[None, :, :],
-                                    mask=(lanes < AB_K)[None, :, :], other=0.0)
-                        products = tl.fma(w.to(tl.float32), values[None, :, :],
-                                          tl.zeros([2, CHUNK_BLOCKS, 32], tl.float32))
-                        a_b += pairwise_row_sum(tl.reshape(products, [2, AB_CHUNK]), AB_CHUNK)
-                        squares += pairwise_row_sum(block_squares[None, :], CHUNK_BLOCKS)
-                    a_b = a_b * tl.rsqrt(squares / AB_K + ab_eps)
+                if AB_DEFERRED:  # a deferred norm's records (`deferred_a_b`: the same bits at any T)
+                    a_b = _records_a_b(ab_x_ptr + row * stride_ab_x, ab_w_ptr, ab_rows, stride_ab_w, AB_K, ab_records,
+                                       ab_eps, AB_CHUNK)
                 else:  # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
                     lanes = tl.arange(0, AB_BLOCK)
                     w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :],
@@ -190,6 +206,25 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + lanes, y, mask=ok)
         if QUANTIZE:
             store_tile_records(y, records_ptr, row, record_count, HEADS * BLOCK_V)
+
+
+def deferred_a_b(records: Int8Activations, weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """The a/b projection `[T, 2·v_heads]` in `dtype` of a deferred norm's records (`activation_quant`) `[T, H]`,
+    W `[2·v_heads, H]` (H ≤ AB_IN_KERNEL_MAX_K): the bits `gated_delta_decode` computes in its kernel for
+    a_b = (records, W), in a launch of its own — for steps of several rows, where each of the delta rule's column
+    tiles would compute it again (one program per row and head here)."""
+    _require_triton("deferred_a_b")
+    rows, hidden = records.shape
+    if records.norm_eps is None or weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] % 2 \
+            or hidden > AB_IN_KERNEL_MAX_K or weight.stride(1) != 1:
+        raise ValueError(f"deferred_a_b: a deferred norm's records [T, H] and W [2·v_heads, H ≤ {AB_IN_KERNEL_MAX_K}] "
+                         f"with unit column stride, got {list(records.shape)}, {list(weight.shape)}")
+    out = torch.empty((rows, weight.shape[0]), dtype=dtype, device=weight.device)
+    _records_a_b_kernel[(rows, weight.shape[0] // 2)](
+        records.blocks, weight, out, records.blocks.stride(0), weight.stride(0), out.stride(0), hidden,
+        records.blocks.shape[1], records.norm_eps, V_HEADS=weight.shape[0] // 2,
+        CHUNK=min(AB_RECORD_CHUNK, triton.next_power_of_2(hidden)), num_warps=4, **pdl_options(weight.device))
+    return out
 
 
 def _require_triton(name: str) -> None:
