@@ -421,7 +421,8 @@ class FastQwen35:
         return h
 
     def _add_norm(self, x: torch.Tensor, product: torch.Tensor | tuple[PackedLinear, torch.Tensor | Int8Activations],
-                  weight: torch.Tensor, integer: bool, defer: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  weight: torch.Tensor, integer: bool,
+                  defer: bool) -> tuple[torch.Tensor, torch.Tensor | Int8Activations]:
         """(s, the norm of s) with s = x + product: a tensor, or (matrix, its input) to multiply. With `defer` the
         norm comes as a deferred norm's records (`activation_quant`: the GEMV that reads them applies the row's
         factor), which need no launch that reduces the row: in a one-token step a matrix's GEMV makes them in its
