@@ -113,38 +113,27 @@ def dequantize_activations(acts: Int8Activations) -> torch.Tensor:
 
 
 if triton is not None:
+    from ninfer.kernels.fixed_order import pairwise_row_sum
 
     @triton.jit
     def store_records(x, record_ptr, blocks, block_count):
         """Quantize x `[BLOCKS, 32]` fp32 (the lanes of blocks `blocks` of one row) and store their records at
         `record_ptr` (the row's first record); blocks ≥ `block_count` are not stored. Shared by the quantizer and
         the kernels that quantize their own output (`fused.add_rms_norm`)."""
-        _store_block_records(x, record_ptr + blocks * 12, blocks < block_count, 0)
-
-    @triton.jit
-    def _pairwise_lanes(values, WIDTH: tl.constexpr):
-        """Σ over the last axis (WIDTH, a power of 2) of `[B, WIDTH]` by halving (lane b + WIDTH / 2 onto b): a
-        fixed order whatever the layout."""
-        if WIDTH == 1:
-            r = tl.sum(values, axis=1)
-        else:
-            r = _pairwise_lanes(tl.sum(tl.reshape(values, [values.shape[0], 2, WIDTH // 2]), axis=1), WIDTH // 2)
-        return r
+        _store_block_records(x, record_ptr + blocks * 12, blocks < block_count, tl.zeros_like(blocks))
 
     @triton.jit
     def store_norm_records(s, w, record, ok):
         """The records of a deferred norm (module docstring) of blocks of residual sums s `[B, 32]` fp32 with
-        norm weights w (broadcast to s): z = s · (1 + w) quantized, Σ s² in word 10 — the squares from
-        `tl.fma(s, s, 0)`, rounded alone (a product written into a sum would be fused into an FMA and rounded once
-        less, depending on the kernel), summed in a fixed order: the same bits in every kernel that calls this;
-        `record` `[B]` points at each block's record, stored where `ok` `[B]`."""
-        squares = _pairwise_lanes(tl.fma(s, s, tl.zeros_like(s)), 32)
+        norm weights w (broadcast to s): z = s · (1 + w) quantized, Σ s² in word 10 (`fixed_order`: the same bits
+        in every kernel that calls this); `record` `[B]` points at each block's record, stored where `ok` `[B]`."""
+        squares = pairwise_row_sum(tl.fma(s, s, tl.zeros_like(s)), 32)
         _store_block_records(s * (1.0 + w), record, ok, squares.to(tl.int32, bitcast=True))
 
     @triton.jit
     def _store_block_records(x, record, ok, third):
         """Quantize x `[BLOCKS, 32]` fp32 (one block a row) and store the records at `record` `[BLOCKS]` where
-        `ok`, with `third` (`[BLOCKS]` int32, or 0) as word 10."""
+        `ok`, with `third` (`[BLOCKS]` int32) as word 10."""
         BLOCKS: tl.constexpr = x.shape[0]
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
         y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
@@ -156,7 +145,6 @@ if triton is not None:
         even = tl.sum(tl.where(column % 2 == 0, placed, 0), axis=2)  # [BLOCKS, 4]
         odd = tl.sum(tl.where(column % 2 == 1, placed, 0), axis=2)
         word = tl.arange(0, 4)[None, :]
-        third = third + 0 * scale.to(tl.int32, bitcast=True)  # [BLOCKS] whether given as a tensor or as 0
         meta = tl.where(word == 0, scale.to(tl.int32, bitcast=True)[:, None],
                         tl.where(word == 1, tl.sum(codes, axis=1)[:, None], tl.where(word == 2, third[:, None], 0)))
         record = record[:, None] + word

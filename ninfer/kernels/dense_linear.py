@@ -31,19 +31,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 MAX_BLOCK_K = 8192  # lanes of K per step: 32 fp32 accumulators per thread at 8 warps
 
 if triton is not None:
-
-    @triton.jit
-    def pairwise_row_sum(values, WIDTH: tl.constexpr):
-        """Σ over axis 1 of a 2-D tensor (WIDTH lanes, a power of 2) by a fixed tree — lanes 2j and 2j + 1 added,
-        then again — so the bits depend on neither the layout nor the warps, and a zero-padded wider row gives the
-        same bits as the narrower one (a zero adds exactly): kernels that compute the same dot product in other
-        tiles (`gdn_decode`'s a/b rows) agree with this one bit for bit, given the same summands (products from
-        `tl.fma(w, x, 0)`: a product written into a sum would be fused into an FMA there and rounded once less)."""
-        if WIDTH == 1:
-            r = tl.sum(values, axis=1)
-        else:
-            r = pairwise_row_sum(tl.sum(tl.reshape(values, [values.shape[0], WIDTH // 2, 2]), axis=2), WIDTH // 2)
-        return r
+    from ninfer.kernels.fixed_order import pairwise_row_sum
 
     @triton.jit
     def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, BLOCK_N: tl.constexpr,

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 if triton is not None:
     from ninfer.kernels.activation_quant import load_block_values, store_tile_records
-    from ninfer.kernels.dense_linear import pairwise_row_sum
+    from ninfer.kernels.fixed_order import pairwise_row_sum
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
 CONV_BLOCK_C = 256  # channels per conv program
