@@ -34,7 +34,7 @@ from ninfer.quant import codec_for
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.uint8: "u8",
          torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
-LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas"}
 launches: list[tuple[str, triton.JITFunction, dict, dict]] = []
 
 
@@ -101,17 +101,6 @@ def _record_all() -> None:
         quant_linear.quant_linear_gemv_pair(
             acts, *((codec_for(fmt).encode(torch.randn(64, 2048)), (64, 2048), fmt, None)
                     for fmt in ("q4_g64_fp16", "q5_g64_fp16")))
-    rows_q5 = codec_for("q5_g64_fp16").encode(torch.randn(128, 2048))
-    weight = torch.randn(2048, dtype=torch.bfloat16)
-    for tokens in (1, 8):  # the deferred norm: made by the GEMV's epilogue and by the elementwise kernel, then read
-        h = torch.randn(tokens, 2048, dtype=torch.bfloat16)
-        _, deferred = fused.add_norm_records(h, h, weight, 1e-6)
-        quant_linear.quant_linear_gemv(deferred, wide, (64, 2048), "q8_g32_fp16", out_dtype=torch.bfloat16)
-        quant_linear.quant_linear_gemv_pair(deferred, (wide, (64, 2048), "q8_g32_fp16", None),
-                                            (rows_q5, (128, 2048), "q5_g64_fp16", None))
-        quant_linear.quant_linear_gemv_add_norm(activation_quant.quantize_activations(h.float()), rows_q5,
-                                                (128, 2048), "q5_g64_fp16", h[:, :128].contiguous(), weight[:128],
-                                                1e-6)
     data = codec_for("q5_g64_fp16").encode(torch.randn(4 * 64, 512))
     quant_linear.quant_linear_gemv(x, data, (256, 512), "q5_g64_fp16", experts=torch.tensor([1, 3], dtype=torch.int32),
                                    expert_rows=64, x_per_slot=2, out_dtype=torch.bfloat16)
@@ -154,15 +143,6 @@ def _record_all() -> None:
                                   torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
                                   torch.zeros(6, v_heads, k_dim, v_dim), slots[:1], k_heads, k_dim, v_heads, v_dim,
                                   1e-6, quantize=True)
-    _, deferred = fused.add_norm_records(*(torch.randn(2, 5120, dtype=torch.bfloat16) for _ in range(2)),
-                                         torch.randn(5120, dtype=torch.bfloat16), 1e-6)
-    gdn_decode.gated_delta_decode(torch.randn(2, channels, dtype=torch.bfloat16),  # a/b from a deferred norm
-                                  torch.randn(2, v_heads * v_dim, dtype=torch.bfloat16),
-                                  (deferred, torch.randn(2 * v_heads, 5120, dtype=torch.bfloat16)),
-                                  torch.randn(v_heads), torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
-                                  torch.zeros(6, v_heads, k_dim, v_dim), slots, k_heads, k_dim, v_heads, v_dim, 1e-6,
-                                  quantize=True)
-    gdn_decode.deferred_a_b(deferred, torch.randn(2 * v_heads, 5120, dtype=torch.bfloat16), torch.bfloat16)
     del mixed
     heads, kv_heads, head_dim = 24, 4, 256
     query_key = torch.randn(2, (heads + kv_heads) * head_dim, dtype=torch.bfloat16)
@@ -233,7 +213,7 @@ def main() -> int:
             label = ", ".join(f"{k}={v}" for k, v in values.items() if (kernel.arg_names.index(k),) in constexprs)
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                          options={"num_warps": 4} | options)
+                                          options={"num_warps": options.get("num_warps", 4)})
                 cubin = compiled.asm["cubin"]
                 extra = _resources(cubin) + _longest_loop(cubin) if args.resources else ""
                 print(f"sm_{capability} ok      {name}({label}){extra}")

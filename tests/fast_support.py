@@ -27,15 +27,12 @@ def int8_image(x: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def int8_activations(reference: Qwen35Model, path: str, head_only: bool = False, deferred_norms: bool = False):
+def int8_activations(reference: Qwen35Model, path: str, head_only: bool = False):
     """The oracle context for `reference`, loaded from the artifact at `path`: around its decode steps; with
-    `head_only`, around a prefill (whose head, reading at most MAX_GEMV_TOKENS rows, takes the integer GEMV too).
-    With `deferred_norms` (the fast path's NINFER_DEFERRED_NORM=1) the GDN's a/b projections, which then read the
-    records of a deferred norm, see the int8 image too."""
+    `head_only`, around a prefill (whose head, reading at most MAX_GEMV_TOKENS rows, takes the integer GEMV too)."""
     with Artifact.open(path) as artifact:
         groupwise = {obj.id.removeprefix("text/") for obj in artifact.objects
-                     if obj.kind == "tensor" and (isinstance(codec_for(obj.format), GroupwiseCodec)
-                                                  or (deferred_norms and obj.id.endswith("gdn/a_b_projection")))}
+                     if obj.kind == "tensor" and isinstance(codec_for(obj.format), GroupwiseCodec)}
     names = [name for name, weight in reference.weights.items() if not head_only or weight is reference.head]
     storages = {reference.weights[name].untyped_storage().data_ptr() for name in names if name in groupwise}
     matmul, linear = torch.Tensor.__matmul__, torch.nn.functional.linear

@@ -389,38 +389,6 @@ def test_a_batch_wider_than_the_batch_routes_token_tile_gives_each_sequence_its_
             assert torch.equal(fast.decode_batch([alone], tokens[i : i + 1])[0], batch[step][i]), f"{i}, {step}"
 
 
-def test_deferred_norms_keep_decode_on_the_oracle_and_verify_on_decodes_bits(monkeypatch):
-    """With NINFER_DEFERRED_NORM=1 (and the demo's matrices on the batch route: K tile lowered to 256 lanes) the norms
-    before each MLP and each mixer (and the head) come as deferred norms' records, made by the output and down
-    GEMVs' epilogues in one-token steps and by `add_norm_records` in wider ones, and the GDN's a/b projection reads
-    them in the delta-rule kernel: a decode step stays on the int8 oracle, a verify step of 2 tokens gives the bits
-    of 2 one-token steps, and a sequence batched with another gets its bits alone."""
-    monkeypatch.setattr(quant_linear, "BATCH_BLOCK_K", 256)
-    monkeypatch.setenv("NINFER_DEFERRED_NORM", "1")
-    calls = []
-    fused_epilogue = runner.quant_linear_gemv_add_norm
-    monkeypatch.setattr(runner, "quant_linear_gemv_add_norm", lambda *a: calls.append(a[0].shape[0]) or
-                        fused_epilogue(*a))
-    reference, fast = _models(DENSE, max_sequences=3, max_verify_tokens=2)
-    assert fast.defers_mlp_norm and fast.defers_mixer_norm
-    prompt = torch.tensor(PROMPT[:6])
-    ref_state, states = reference.new_state(32), [fast.new_state(32) for _ in range(3)]
-    reference.forward(prompt, ref_state)
-    for state in states:
-        fast.forward(prompt, state)
-    # the records round z, the oracle's image y: codes on a rounding boundary may differ (DECODE_TOLERANCE)
-    with int8_activations(reference, DENSE, deferred_norms=True):
-        expected = reference.forward(torch.tensor([7]), ref_state)
-    alone = fast.decode_batch(states[:1], torch.tensor([7]))[0]
-    assert _relative(alone, expected) < DECODE_TOLERANCE
-    both = fast.decode_batch(states[1:], torch.tensor([7, 7]))  # two rows: the elementwise records, the same bits
-    assert torch.equal(both[0], alone) and torch.equal(both[1], alone)
-    drafts = torch.tensor([[11, 12]])
-    stepped = torch.stack([fast.decode_batch(states[:1], drafts[:, t]) for t in range(2)], dim=1)
-    assert torch.equal(fast.verify(states[1:2], drafts), stepped)
-    assert calls and set(calls) == {1}  # the epilogue in one-token steps only
-
-
 def test_snapshots_share_full_pages_by_reference_and_give_them_back(dense):
     _, fast = dense
     cache = fast.cache

@@ -13,12 +13,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from ninfer.kernels.activation_quant import dequantize_activations, quantize_activations
+from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
-from ninfer.kernels.fused import add_norm_records
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_recurrent, l2_normalize
-from ninfer.kernels.gdn_decode import conv1d_update, deferred_a_b, gated_delta_decode
+from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 
 
@@ -172,42 +171,6 @@ def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden)
     fused = gated_delta_decode(mixed, z, (x, weight), *vectors, fused_state, slots, *args)
     assert torch.equal(fused, separate) and torch.equal(fused_state, separate_state)
     assert not torch.equal(fused_state, state)  # the step ran
-
-
-@pytest.mark.parametrize("hidden", [256, 1280])
-def test_the_a_b_product_in_the_kernel_reads_a_deferred_norms_records(hidden):
-    """With a deferred norm's records as the a/b input (the runner's decode steps with NINFER_DEFERRED_NORM=1), the
-    kernel multiplies their values and applies the row's factor: the step equals the one given a/b computed from
-    the records in float64; a row's bits depend neither on the other rows nor on whether a/b is computed in the
-    delta-rule launch (one-token steps) or by `deferred_a_b` (wider steps): verify = decode. 1,280 lanes take two
-    turns of the 1,024-lane loop, the second one partly past the row."""
-    d, device = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=32), _device()
-    generator = torch.Generator().manual_seed(3)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(device)
-
-    B = 3
-    mixed, z = randn(B, d.channels), randn(B, d.v_heads * d.v_dim)
-    _, records = add_norm_records(randn(B, hidden, scale=3.0), randn(B, hidden), randn(hidden, scale=0.2), EPS)
-    weight = randn(2 * d.v_heads, hidden, scale=hidden**-0.5)
-    vectors = (randn(d.v_heads), randn(d.v_heads), randn(d.v_dim))
-    state, slots = randn(4, d.v_heads, d.k_dim, d.v_dim, scale=0.1), torch.tensor([2, 0, 3], device=device)
-    args = (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
-    a_b = (dequantize_activations(records)[:, :hidden].double() @ weight.double().T).float()
-    expected_state, got_state = state.clone(), state.clone()
-    expected = gated_delta_decode(mixed, z, a_b, *vectors, expected_state, slots, *args)
-    got = gated_delta_decode(mixed, z, (records, weight), *vectors, got_state, slots, *args)
-    for value, reference in ((got, expected), (got_state, expected_state)):
-        assert float((value - reference).abs().max() / reference.abs().max()) < 1e-5
-    alone_state = state.clone()
-    alone = gated_delta_decode(mixed[1:2], z[1:2], (records.rows(slice(1, 2)), weight), *vectors, alone_state,
-                               slots[1:2], *args)
-    assert torch.equal(alone, got[1:2]) and torch.equal(alone_state[0], got_state[0])
-    launched_state = state.clone()  # a/b in a launch of its own (steps of several rows): the same bits
-    launched = gated_delta_decode(mixed, z, deferred_a_b(records, weight, mixed.dtype), *vectors, launched_state,
-                                  slots, *args)
-    assert torch.equal(launched, got) and torch.equal(launched_state, got_state)
 
 
 def test_decode_splits_a_heads_state_into_column_tiles():

@@ -19,13 +19,10 @@ from ninfer.kernels.activation_quant import (
     quantize_activations,
     quantize_activations_reference,
 )
-from ninfer.kernels.fused import add_norm_records
-from ninfer.kernels.norm import rms_norm
 from ninfer.kernels.quant_linear import (
     dequantize,
     group_pairs,
     quant_linear_gemv,
-    quant_linear_gemv_add_norm,
     quant_linear_gemv_pair,
     quant_linear_grouped,
     quant_linear_reference,
@@ -285,55 +282,3 @@ def test_grouped_product_equals_each_pairs_expert(fmt, x_per_pair):
     weight = codec_for(fmt).decode(data, (experts * rows, k)).view(experts, rows, k)
     expected = torch.stack([x[p // x_per_pair].float() @ weight[e].T for p, e in enumerate(ids.tolist())])
     assert _relative(got, expected) < RELATIVE_TOLERANCE
-
-
-def _deferred_norm(tokens, n, seed):
-    """Norm weights, and the sum s = x + h of random x, h with its deferred norm (`add_norm_records`)."""
-    generator = torch.Generator().manual_seed(seed)
-    x, h = (torch.randn(tokens, n, generator=generator).to(DEVICE) for _ in range(2))
-    weight = (0.3 * torch.randn(n, generator=generator)).to(DEVICE)
-    return weight, *add_norm_records(x, h, weight, 1e-6)
-
-
-@pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q8_g32_fp16"])
-def test_a_deferred_norms_records_give_the_normed_product(fmt):
-    """The GEMV over a deferred norm's records (z = s · (1 + w) quantized, Σ s² per block) equals the oracle (the
-    records' values times the row's factor, float64) within rounding, the exactly normed product within what int8
-    activations cost, and gives a token the same bits at any token count; the pair kernel takes them too, and the
-    token route, which cannot apply the factor, refuses them."""
-    k, n = 1024, 48
-    weight, total, acts = _deferred_norm(3, k, 4)
-    data, _ = _matrix(fmt, n, k, 9)
-    got = quant_linear_gemv(acts, data, (n, k), fmt)
-    oracle = (dequantize_activations(acts).double() @ codec_for(fmt).decode(data, (n, k)).double().T).float()
-    assert _relative(got, oracle) < RELATIVE_TOLERANCE
-    normed = rms_norm(total, weight, 1e-6)  # (x + h) normed exactly, then the exact product
-    exact = quant_linear_reference(normed, data, (n, k), fmt)
-    assert float((got - exact).norm() / exact.norm()) < 0.015
-    assert torch.equal(quant_linear_gemv(acts.rows(slice(1, 2)), data, (n, k), fmt), got[1:2])
-    first, second = quant_linear_gemv_pair(acts, (data, (n, k), fmt, None), (data[:], (n, k), fmt, None))
-    assert torch.equal(first, got) and torch.equal(second, got)
-    with pytest.raises(ValueError, match="batch route"):
-        quant_linear_gemv(acts, data, (n, k), fmt, route="token")
-
-
-@pytest.mark.parametrize(("fmt", "tokens"), [("q4_g64_fp16", 1), ("q5_g64_fp16", 3)])
-@pytest.mark.parametrize("deferred_input", [False, True])
-def test_the_gemvs_add_and_norm_epilogue_gives_the_bits_of_the_separate_launches(fmt, tokens, deferred_input):
-    """`quant_linear_gemv_add_norm` (the residual add and the next deferred norm in the GEMV's 32-row programs)
-    gives the sum and the records of the GEMV followed by `add_norm_records` bit for bit, whatever its input."""
-    n, k = 128, 2048
-    data, generator = _matrix(fmt, n, k, tokens + 30)
-    if deferred_input:
-        acts = _deferred_norm(tokens, k, 5)[2]
-    else:
-        acts = quantize_activations(torch.randn(tokens, k, generator=generator).to(DEVICE))
-    residual = torch.randn(tokens, n, generator=generator).to(DEVICE)
-    weight = (0.3 * torch.randn(n, generator=generator)).to(DEVICE)
-    total, records = quant_linear_gemv_add_norm(acts, data, (n, k), fmt, residual, weight, 1e-5)
-    expected_total, expected = add_norm_records(residual, quant_linear_gemv(acts, data, (n, k), fmt), weight, 1e-5)
-    assert torch.equal(total, expected_total) and torch.equal(records.blocks, expected.blocks)
-    assert records.norm_eps == 1e-5 and torch.equal(records.source, total)
-    with pytest.raises(ValueError, match="128-lane"):
-        quant_linear_gemv_add_norm(acts, data[: 64 * data.numel() // 128], (64, k), fmt, residual[:, :64],
-                                   weight[:64], 1e-5)

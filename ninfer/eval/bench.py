@@ -47,7 +47,6 @@ class BenchReport:
     weight_bytes: int
     runner: str = "reference"
     dependent_launch: bool = False  # the fast path's kernels launch with PDL (ninfer.kernels.dependent_launch)
-    deferred_norms: bool = False  # the fast path's decode steps defer norms (NINFER_DEFERRED_NORM=1)
     prefill: list[dict[str, float]] = field(default_factory=list)
     decode: list[dict[str, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0
@@ -137,8 +136,7 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
     model = llm.model
     vocab = llm.tokenizer.vocab_size
     report = BenchReport(str(llm.path), limits, model.weight_bytes, runner="fast" if llm.fast else "reference",
-                         dependent_launch=llm.fast and pdl_supported(device),
-                         deferred_norms=llm.fast and (model.defers_mlp_norm or model.defers_mixer_norm))
+                         dependent_launch=llm.fast and pdl_supported(device))
     generator = torch.Generator().manual_seed(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -183,7 +181,6 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
 def format_report(report: BenchReport) -> str:
     lim = report.limits
     launch = ", programmatic dependent launch" if report.dependent_launch else ""
-    launch += ", deferred norms" if report.deferred_norms else ""
     lines = [f"{report.model} on {lim.device} ({report.runner} runner{launch}): weights "
              f"{report.weight_bytes / 2**20:.1f} MiB as held in memory",
              f"limits measured now: read {lim.read_bytes_per_second / 1e9:.1f} GB/s, "

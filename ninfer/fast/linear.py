@@ -88,10 +88,7 @@ def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
 
 
 def _source(x: torch.Tensor | Int8Activations) -> torch.Tensor:
-    """The activations themselves (for the routes that do not take int8 records); a deferred norm's records have
-    no such tensor (only the integer GEMV applies the norm)."""
-    if isinstance(x, Int8Activations) and x.norm_eps is not None:
-        raise ValueError("a deferred norm's records go through the integer GEMV only")
+    """The activations themselves (for the routes that do not take int8 records)."""
     return x.source if isinstance(x, Int8Activations) else x
 
 
@@ -144,11 +141,11 @@ class PackedLinear:
         """x `[T, K]` (or its `shared_input`) → `[T, N]` in `out_dtype` (default x's dtype). With `out` (a `[T, N]`
         view with unit column stride: columns of a buffer that several products fill) the result goes there —
         written by the integer GEMV itself, copied from the other routes."""
-        dtype = (x.source if isinstance(x, Int8Activations) else x).dtype
-        out_dtype = out.dtype if out is not None else out_dtype or dtype
+        source = _source(x)
+        out_dtype = out.dtype if out is not None else out_dtype or source.dtype
         if isinstance(x, Int8Activations) and self.groupwise:
             return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out)
-        result = self._product(_source(x), out_dtype)
+        result = self._product(source, out_dtype)
         return result if out is None else out.copy_(result)
 
     def _product(self, source: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,6 @@ docs/fast-path.md describes the whole path.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Sequence
 
@@ -32,16 +31,16 @@ from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory, synchronize
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch, is_packed, project, shared_input
-from ninfer.kernels.activation_quant import LANE_PAD, Int8Activations
+from ninfer.kernels.activation_quant import Int8Activations
 from ninfer.kernels.attention import prefill_attention
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
-from ninfer.kernels.fused import add_norm_records, add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
+from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
-from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, deferred_a_b, gated_delta_decode
+from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
-from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs, quant_linear_gemv_add_norm
+from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs
 from ninfer.kernels.rope import rope_inv_freq
 from ninfer.model.config import FULL_ATTENTION, TextConfig
 
@@ -60,9 +59,6 @@ SHORT_PREFILL_TOKENS = 0 if INTERPRETED else 16
 # prefill-route prompt lengths of `warm_up`: every specialisation class of T and T · top_k (32: both divisible by 16;
 # 33: neither; 34: T · top_k only, for top_k 8)
 WARM_UP_LENGTHS = (32, 33, 34)
-# steps of up to this many tokens add the mixer's output and make the deferred norm in its GEMV's epilogue
-# (`_add_norm`): its 32-row programs hold 16 warps, whose registers run out at more tokens
-ADD_NORM_GEMV_TOKENS = 1
 MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the grouped MoE prefill
 
 
@@ -110,24 +106,6 @@ class FastQwen35:
         self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.use_graphs = graphs and self.device.type == "cuda"
-        # decode and verify steps defer a norm into the GEMVs that read its output (`_add_norm`) where they all
-        # take the batch route (or, the GDN's dense a/b projection, the delta-rule kernel) and the hidden rows are
-        # whole 128-lane record units: the norm before a dense MLP, and the norm before each mixer (and the head);
-        # only with NINFER_DEFERRED_NORM=1 until it has been measured on a GPU (docs/fast-path.md)
-        deferred = os.environ.get("NINFER_DEFERRED_NORM") == "1" and config.hidden % LANE_PAD == 0
-        self.defers_mlp_norm = deferred and not config.moe and all(
-            linears[f"layers/{i}/mlp/gate_up"].batch_route for i in range(config.layers))
-        self.defers_mixer_norm = deferred and self.head.batch_route and all(
-            self._reads_deferred_norms(i) for i in range(config.layers))
-
-    def _reads_deferred_norms(self, layer: int) -> bool:
-        """Whether every matrix that reads the input of mixer `layer` takes a deferred norm's records."""
-        prefix = f"layers/{layer}/"
-        if self.config.layer_types[layer] == FULL_ATTENTION:
-            return all(self.linears[prefix + f"attention/{n}"].batch_route for n in ("query_key", "gate_value"))
-        query_key, value_z, a_b = (self.linears[prefix + "gdn/" + n] for n in GDN_PROJECTIONS)
-        dense_ab = a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K  # in the delta-rule kernel
-        return query_key.batch_route and value_z.batch_route and (a_b.batch_route or dense_ab)
 
     @property
     def kv_capacity(self) -> int:
@@ -403,44 +381,19 @@ class FastQwen35:
 
     def _layers(self, x: torch.Tensor, attention, gdn, integer: bool) -> torch.Tensor:
         """The decoder layers and the final norm over embedded tokens x `[T, H]`; the residual adds are fused into
-        the next norm (`_add_norm`). `attention(h, layer)` / `gdn(h, layer)` are the mixers, which return their
-        output matrix and its input; `integer`: decode-step numerics (int8 activations in the GEMVs, MoE experts
-        gathered per token) rather than the prefill's — then h comes as `Int8Activations`, quantized by the norm
-        that made it (or a deferred norm's records: `defers_mlp_norm`, `defers_mixer_norm`)."""
+        the next norm. `attention(h, layer)` / `gdn(h, layer)` are the mixers; `integer`: decode-step numerics
+        (int8 activations in the GEMVs, MoE experts gathered per token) rather than the prefill's — then h comes
+        as `Int8Activations`, quantized by the norm that made it."""
         c = self.config
         quantize = self._quantizes(x, integer)  # the norms emit the GEMVs' int8 records themselves
         x, h = add_rms_norm(x, None, self.vectors["layers/0/input_norm"], c.rms_eps, quantize)
         for i, kind in enumerate(c.layer_types):
             prefix = f"layers/{i}/"
             mixed = attention(h, i) if kind == FULL_ATTENTION else gdn(h, i)
-            x, h = self._add_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], integer,
-                                  quantize and self.defers_mlp_norm)
+            x, h = add_rms_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], c.rms_eps, quantize)
             following = f"layers/{i + 1}/input_norm" if i + 1 < c.layers else "final_norm"
-            x, h = self._add_norm(x, self._mlp(h, prefix, integer), self.vectors[following], integer,
-                                  quantize and self.defers_mixer_norm)
+            x, h = add_rms_norm(x, self._mlp(h, prefix, integer), self.vectors[following], c.rms_eps, quantize)
         return h
-
-    def _add_norm(self, x: torch.Tensor, product: torch.Tensor | tuple[PackedLinear, torch.Tensor | Int8Activations],
-                  weight: torch.Tensor, integer: bool,
-                  defer: bool) -> tuple[torch.Tensor, torch.Tensor | Int8Activations]:
-        """(s, the norm of s) with s = x + product: a tensor, or (matrix, its input) to multiply. With `defer` the
-        norm comes as a deferred norm's records (`activation_quant`: the GEMV that reads them applies the row's
-        factor), which need no launch that reduces the row: in a one-token step a matrix's GEMV makes them in its
-        epilogue (`quant_linear_gemv_add_norm`), else one elementwise launch after the product
-        (`add_norm_records`), with the same bits."""
-        eps = self.config.rms_eps
-        if isinstance(product, tuple):
-            reader, inputs = product
-            if not defer:
-                product = self._linear(reader, inputs, integer)
-            else:
-                acts = self._input(inputs, [reader], integer)
-                if x.shape[0] <= ADD_NORM_GEMV_TOKENS and reader.batch_route and isinstance(acts, Int8Activations):
-                    return quant_linear_gemv_add_norm(acts, reader.data, reader.shape, reader.format, x, weight, eps)
-                product = reader(acts, out_dtype=x.dtype)
-        if defer:
-            return add_norm_records(x, product, weight, eps)
-        return add_rms_norm(x, product, weight, eps, self._quantizes(x, integer))
 
     def _attention_inputs(self, h: torch.Tensor, layer: int, positions: torch.Tensor, tables: torch.Tensor,
                           integer: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
@@ -461,17 +414,18 @@ class FastQwen35:
         return q, gate_value[:, :q_rows], pools
 
     def _attention_decode(self, h: torch.Tensor, layer: int, positions: torch.Tensor, lengths: torch.Tensor,
-                          tables: torch.Tensor) -> tuple[PackedLinear, torch.Tensor]:
+                          tables: torch.Tensor) -> torch.Tensor:
         c, cache = self.config, self.cache
         q, gate, pools = self._attention_inputs(h, layer, positions, tables, self.int8_activations)
         o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
                                    max_length=cache.max_pages * cache.page)
         output = self.linears[f"layers/{layer}/attention/output"]
         quantize = self._quantizes_for(output, gate, self.int8_activations)
-        return output, sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=quantize)
+        gated = sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=quantize)
+        return self._linear(output, gated, self.int8_activations)
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
-                    snapshots: torch.Tensor | None = None) -> tuple[PackedLinear, torch.Tensor]:
+                    snapshots: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         prefix = f"layers/{layer}/gdn/"
         value_rows = c.v_heads * c.v_dim
@@ -485,15 +439,9 @@ class FastQwen35:
         if a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K and h.shape[0] <= MAX_GEMV_TOKENS:
             # a dense a/b projection: for one row in the delta-rule kernel, which reads the head's two rows itself
             # (one launch fewer); for more rows (where the kernel's programs would read them once per column tile)
-            # through the dense GEMV with the same fixed-order sums, so a token's bits never depend on the batch. A
-            # deferred norm's records (which only a kernel that applies the row's factor reads) take the same two
-            # routes with their own kernel's bits
-            if isinstance(source, Int8Activations) and source.norm_eps is not None:
-                a_b = (source, a_b.weight) if h.shape[0] == 1 else deferred_a_b(source, a_b.weight, self.dtype)
-            else:
-                x = (source.source if isinstance(source, Int8Activations) else source).to(a_b.weight.dtype)
-                a_b = (x, a_b.weight) if x.shape[0] == 1 else dense_linear_gemv(x, a_b.weight, self.dtype,
-                                                                               pairwise=True)
+            # through the dense GEMV with the same fixed-order sums, so a token's bits never depend on the batch
+            x = (source.source if isinstance(source, Int8Activations) else source).to(a_b.weight.dtype)
+            a_b = (x, a_b.weight) if x.shape[0] == 1 else dense_linear_gemv(x, a_b.weight, self.dtype, pairwise=True)
         else:
             a_b = a_b(source)
         index = self.cache.gdn_index[layer]
@@ -504,18 +452,16 @@ class FastQwen35:
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
                                tokens=tokens, snapshot_slots=snapshots,
                                quantize=self._quantizes_for(output, mixed, self.int8_activations))
-        return output, o
+        return self._linear(output, o, self.int8_activations)
 
-    def _mlp(self, h: torch.Tensor, prefix: str,
-             integer: bool) -> torch.Tensor | tuple[PackedLinear, torch.Tensor | Int8Activations]:
-        """SwiGLU MLP (returned as its down matrix and that matrix's input, for `_add_norm`) or sparse MoE (its
-        output). With `integer` (decode, verify) every (token, expert) pair goes through the gathering GEMV (no host
-        sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
+    def _mlp(self, h: torch.Tensor, prefix: str, integer: bool) -> torch.Tensor:
+        """SwiGLU MLP or sparse MoE. With `integer` (decode, verify) every (token, expert) pair goes through the
+        gathering GEMV (no host sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
         c = self.config
         if not c.moe:
             gate_up = self._linear(self.linears[prefix + "mlp/gate_up"], h, integer)
             down = self.linears[prefix + "mlp/down"]
-            return down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer))
+            return self._linear(down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer)), integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]
@@ -575,7 +521,7 @@ class FastQwen35:
         return logits if all_logits else logits[0]
 
     def _attention_prefill(self, h: torch.Tensor, layer: int, state: SlotState,
-                           positions: torch.Tensor) -> tuple[PackedLinear, torch.Tensor]:
+                           positions: torch.Tensor) -> torch.Tensor:
         c, cache = self.config, self.cache
         tokens = h.shape[0]
         tables = cache.block_tables[state.slot : state.slot + 1].expand(tokens, -1)
@@ -583,9 +529,9 @@ class FastQwen35:
         start = state.length
         keys, values = cache.dense_kv(layer, state, start + tokens, q.dtype)
         o = prefill_attention(q, keys, values, start, c.head_dim**-0.5).reshape(tokens, -1)
-        return self.linears[f"layers/{layer}/attention/output"], sigmoid_mul(o, gate)
+        return self.linears[f"layers/{layer}/attention/output"](sigmoid_mul(o, gate))
 
-    def _gdn_prefill(self, h: torch.Tensor, layer: int, state: SlotState) -> tuple[PackedLinear, torch.Tensor]:
+    def _gdn_prefill(self, h: torch.Tensor, layer: int, state: SlotState) -> torch.Tensor:
         c, cache = self.config, self.cache
         prefix = f"layers/{layer}/gdn/"
         tokens = h.shape[0]
@@ -607,4 +553,4 @@ class FastQwen35:
         cache.recurrent[index, state.slot] = final
         o = rms_norm_gated(o.to(h.dtype), value_z[:, value_rows:].reshape(tokens, c.v_heads, c.v_dim),
                            self.vectors[prefix + "norm"], c.rms_eps)
-        return self.linears[prefix + "output"], o.reshape(tokens, value_rows)
+        return self.linears[prefix + "output"](o.reshape(tokens, value_rows))

@@ -7,20 +7,13 @@ LANE_PAD (128, as the groupwise formats pad a row) lanes, one record of RECORD (
     word; words 4–7: the codes of lanes 8u + 1, 3, 5, 7. A packed 4-bit weight word's even / odd nibbles, masked
     in place, are the matching byte quads on the weight side;
   * word 8: the scale s = absmax / 127 (IEEE division) as fp32 bits; word 9: Σ q over the block (the GEMV removes
-    the offset of unsigned weight codes with it); word 10: zero, or for the records of a deferred norm (below)
-    Σ s² over the block's lanes as fp32 bits; word 11: zero.
+    the offset of unsigned weight codes with it); words 10, 11: zero.
 The codes are q = round_half_even(x / s) in [-127, 127] (0 where the block is all zeros), so x ≈ q · s per lane
 with |error| ≤ s / 2. A block's scale and sum travel in its record so that the GEMV loads them in the layout of
 the codes (one 16-byte load each, no shuffles between thread layouts). This is the Q8_1-style activation
 quantization of llama.cpp's integer matrix-vector products (blocks of 32, absmax scaling), which we follow; the
 rounding is exact IEEE on both sides, so `quantize_activations` and `quantize_activations_reference` agree bit
 for bit.
-
-A deferred norm (`Int8Activations.norm_eps` set): the zero-centred RMSNorm y = s · r · (1 + w), r = (mean(s²) +
-eps)^-½, of a residual sum s, whose r needs the whole row. Block quantization is scale-invariant, so the records
-are those of z = s · (1 + w), which each block's lanes give alone, with Σ s² of the block in word 10; the GEMV that
-reads them sums word 10 over the row with its dot products and multiplies its result by r. The kernel that makes
-s then writes the records itself (no launch that reduces the row: `store_norm_records`).
 """
 
 from __future__ import annotations
@@ -44,9 +37,8 @@ RECORD = 12  # int32 words per block: 4 even quads, 4 odd quads, scale, sum, 2 z
 
 
 class Int8Activations(NamedTuple):
-    source: torch.Tensor  # x itself `[T, K]`, for the routes that do not take int8 activations (a deferred norm: s)
+    source: torch.Tensor  # x itself `[T, K]`, for the routes that do not take int8 activations
     blocks: torch.Tensor  # [T, K_pad / BLOCK, RECORD] int32
-    norm_eps: float | None = None  # set: the records of a deferred norm of s with this eps (module docstring)
 
     @property
     def shape(self) -> torch.Size:
@@ -62,14 +54,7 @@ class Int8Activations(NamedTuple):
 
     def rows(self, index: slice) -> Int8Activations:
         """The inputs of rows `index` (views: records of whole rows stay contiguous)."""
-        return Int8Activations(self.source[index], self.blocks[index], self.norm_eps)
-
-    def norm_scales(self) -> torch.Tensor:
-        """r `[T, 1]` fp32 of a deferred norm (1 otherwise), in float64 inside: the oracle of the GEMV's factor."""
-        if self.norm_eps is None:
-            return torch.ones((self.blocks.shape[0], 1), dtype=torch.float32, device=self.blocks.device)
-        squares = self.blocks[..., 10].view(torch.float32).double().sum(-1, keepdim=True)
-        return torch.rsqrt(squares / self.shape[1] + self.norm_eps).float()
+        return Int8Activations(self.source[index], self.blocks[index])
 
 
 def padded_lanes(k: int) -> int:
@@ -102,38 +87,22 @@ def quantize_activations_reference(x: torch.Tensor) -> Int8Activations:
 
 
 def dequantize_activations(acts: Int8Activations) -> torch.Tensor:
-    """q · s `[T, K_pad]` fp32 (times r for a deferred norm): the values the integer GEMV multiplies (its
-    oracle's input)."""
+    """q · s `[T, K_pad]` fp32: the values the integer GEMV multiplies (its oracle's input)."""
     tokens, count, _ = acts.blocks.shape
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=acts.blocks.device)
     quads = acts.blocks[..., :8].reshape(tokens, count, 2, 4)  # [T, blocks, parity, unit]
     codes = ((quads[..., None] >> shifts) & 0xFF).to(torch.uint8).view(torch.int8).to(torch.float32)
     lanes = codes.permute(0, 1, 3, 4, 2).reshape(tokens, count, BLOCK)  # lane 8u + 2i + parity
-    return (lanes * acts.scales[..., None]).reshape(tokens, count * BLOCK) * acts.norm_scales()
+    return (lanes * acts.scales[..., None]).reshape(tokens, count * BLOCK)
 
 
 if triton is not None:
-    from ninfer.kernels.fixed_order import pairwise_row_sum
 
     @triton.jit
     def store_records(x, record_ptr, blocks, block_count):
         """Quantize x `[BLOCKS, 32]` fp32 (the lanes of blocks `blocks` of one row) and store their records at
         `record_ptr` (the row's first record); blocks ≥ `block_count` are not stored. Shared by the quantizer and
         the kernels that quantize their own output (`fused.add_rms_norm`)."""
-        _store_block_records(x, record_ptr + blocks * 12, blocks < block_count, tl.zeros_like(blocks))
-
-    @triton.jit
-    def store_norm_records(s, w, record, ok):
-        """The records of a deferred norm (module docstring) of blocks of residual sums s `[B, 32]` fp32 with
-        norm weights w (broadcast to s): z = s · (1 + w) quantized, Σ s² in word 10 (`fixed_order`: the same bits
-        in every kernel that calls this); `record` `[B]` points at each block's record, stored where `ok` `[B]`."""
-        squares = pairwise_row_sum(tl.fma(s, s, tl.zeros_like(s)), 32)
-        _store_block_records(s * (1.0 + w), record, ok, squares.to(tl.int32, bitcast=True))
-
-    @triton.jit
-    def _store_block_records(x, record, ok, third):
-        """Quantize x `[BLOCKS, 32]` fp32 (one block a row) and store the records at `record` `[BLOCKS]` where
-        `ok`, with `third` (`[BLOCKS]` int32) as word 10."""
         BLOCKS: tl.constexpr = x.shape[0]
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
         y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
@@ -146,28 +115,12 @@ if triton is not None:
         odd = tl.sum(tl.where(column % 2 == 1, placed, 0), axis=2)
         word = tl.arange(0, 4)[None, :]
         meta = tl.where(word == 0, scale.to(tl.int32, bitcast=True)[:, None],
-                        tl.where(word == 1, tl.sum(codes, axis=1)[:, None], tl.where(word == 2, third[:, None], 0)))
-        record = record[:, None] + word
-        ok = ok[:, None]
+                        tl.where(word == 1, tl.sum(codes, axis=1)[:, None], 0))
+        record = record_ptr + blocks[:, None] * 12 + word
+        ok = (blocks < block_count)[:, None]
         tl.store(record, even, mask=ok)
         tl.store(record + 4, odd, mask=ok)
         tl.store(record + 8, meta, mask=ok)
-
-    @triton.jit
-    def load_block_values(record_ptr, blocks, block_count):
-        """The values q · s `[B, 32]` fp32, in lane order, of blocks `blocks` `[B]` of the row whose records start at
-        `record_ptr`, and each block's word 10 as fp32 (a deferred norm's Σ s²); blocks ≥ `block_count` give zeros.
-        For kernels that read records value by value rather than through `dp4a` (the GDN's dense a/b projection)."""
-        ok = blocks < block_count
-        record = record_ptr + blocks * 12
-        words = tl.load(record[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0)
-        codes = (((words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF) ^ 0x80) - 0x80
-        # byte order (parity, unit, byte) to lanes (unit, byte, parity): lane 8 · unit + 2 · byte + parity
-        lanes = tl.reshape(tl.permute(tl.reshape(codes, [blocks.shape[0], 2, 4, 4]), (0, 2, 3, 1)),
-                           [blocks.shape[0], 32])
-        scale = tl.load(record + 8, mask=ok, other=0).to(tl.float32, bitcast=True)
-        squares = tl.load(record + 10, mask=ok, other=0).to(tl.float32, bitcast=True)
-        return lanes.to(tl.float32) * scale[:, None], squares
 
     @triton.jit
     def store_tile_records(y, records_ptr, row, record_count, LANES: tl.constexpr):

@@ -5,7 +5,7 @@ lanes 2j and 2j + 1 added, then again — so the bits depend on neither the layo
 wider row gives the same bits as the narrower one (a zero adds exactly). Kernels that compute the same sum in other
 tiles agree bit for bit, given the same summands: products from `tl.fma(w, x, 0)` (a product written into a sum
 would be fused into an FMA there and rounded once less). Used by the dense GEMV and the GDN's in-kernel a/b
-product (`dense_linear`, `gdn_decode`) and by the deferred norm's sums of squares (`activation_quant`).
+product (`dense_linear`, `gdn_decode`), which must agree bit for bit.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 if triton is not None:
-    from ninfer.kernels.activation_quant import store_norm_records, store_tile_records
+    from ninfer.kernels.activation_quant import store_tile_records
 
 
 if triton is not None:
@@ -71,21 +71,6 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + d, y, mask=ok)
         if QUANTIZE:  # the rounded output's int8 records, as `quantize_activations` would make them
             store_tile_records(y, records_ptr, row, record_count, SLICE)
-
-    @triton.jit
-    def _add_norm_records_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, records_ptr, D, stride_x, stride_h, record_count,
-                                 BLOCK: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # whole 128-lane units: the records' padding covered
-        ok = d < D
-        s = (tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
-             + tl.load(h_ptr + row * stride_h + d, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * D + d, s, mask=ok)
-        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-        blocks = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-        store_norm_records(tl.reshape(s.to(tl.float32), [BLOCK // 32, 32]), tl.reshape(w, [BLOCK // 32, 32]),
-                           records_ptr + (row * record_count + blocks) * 12, blocks < record_count)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE: tl.constexpr,
@@ -193,18 +178,6 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
         HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
         num_warps=8 if split else max(1, min(16, block // 256)), **pdl_options(x.device))
     return total, Int8Activations(out, records) if quantize else out
-
-
-def add_norm_records(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Int8Activations]:
-    """(s, the deferred norm of s as `Int8Activations`) with s = x + h; see the module docstring."""
-    _check("add_norm_records", x, h)
-    rows, width = x.shape
-    total = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-    records = empty_records(rows, width, x.device)
-    _add_norm_records_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
-        x, h, weight, total, records, width, x.stride(0), h.stride(0), records.shape[1], BLOCK=ELEMENTWISE_BLOCK,
-        num_warps=4, **pdl_options(x.device))
-    return total, Int8Activations(total, records, eps)
 
 
 def silu_mul(gate_up: Tensor, quantize: bool = False) -> Tensor | Int8Activations:

@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 if triton is not None:
-    from ninfer.kernels.activation_quant import load_block_values, store_tile_records
+    from ninfer.kernels.activation_quant import store_tile_records
     from ninfer.kernels.fixed_order import pairwise_row_sum
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
@@ -43,9 +43,6 @@ NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
 # a dense a/b projection up to this K is computed in the delta-rule launch (the head's two rows and the input row
 # in registers beside the state tile)
 AB_IN_KERNEL_MAX_K = 8192
-# lanes of a deferred norm's records per turn of the a/b product's loop (its registers: the bf16 row's product, in
-# one piece, takes 128 on sm_90; in one piece from records, 255 and a spill)
-AB_RECORD_CHUNK = 1024
 
 
 if triton is not None:
@@ -82,43 +79,13 @@ if triton is not None:
             tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _records_a_b(record_ptr, w_ptr, w_rows, stride_w, K, record_count, eps, CHUNK: tl.constexpr):
-        """The a/b products `[2]` fp32 of weight rows `w_rows` `[2]` with a row of a deferred norm's records (at
-        `record_ptr`), CHUNK lanes a turn (registers): per turn the values (`load_block_values`) times the weights,
-        summed in a fixed tree; the row's factor applied at the end."""
-        BLOCKS: tl.constexpr = CHUNK // 32
-        a_b = tl.zeros([2], tl.float32)
-        squares = tl.zeros([1], tl.float32)
-        for c in range(0, tl.cdiv(K, CHUNK)):
-            blocks = c * BLOCKS + tl.arange(0, BLOCKS)
-            values, block_squares = load_block_values(record_ptr, blocks, record_count)
-            values = tl.reshape(values, [CHUNK])
-            lanes = c * CHUNK + tl.arange(0, CHUNK)
-            w = tl.load(w_ptr + w_rows[:, None] * stride_w + lanes[None, :], mask=(lanes < K)[None, :], other=0.0)
-            a_b += pairwise_row_sum(tl.fma(w.to(tl.float32), values[None, :], tl.zeros([2, CHUNK], tl.float32)),
-                                    CHUNK)
-            squares += pairwise_row_sum(block_squares[None, :], BLOCKS)
-        return a_b * tl.rsqrt(squares / K + eps)
-
-    @triton.jit
-    def _records_a_b_kernel(records_ptr, w_ptr, out_ptr, stride_records, stride_w, stride_out, K, record_count, eps,
-                            V_HEADS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)  # the head's a and b rows, as the delta-rule kernel computes them
-        w_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
-        a_b = _records_a_b(records_ptr + row * stride_records, w_ptr, w_rows, stride_w, K, record_count, eps, CHUNK)
-        tl.store(out_ptr + row * stride_out + w_rows, a_b.to(out_ptr.dtype.element_ty))
-
-    @triton.jit
     def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr,
                                    snapshot_ptr, o_ptr, stride_mixed, stride_a_b, stride_ab_x, stride_ab_w, stride_o,
-                                   stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K, ab_records,
-                                   ab_eps, K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
+                                   stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K,
+                                   K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                                    L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
-                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, AB_DEFERRED: tl.constexpr,
-                                   AB_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
@@ -147,19 +114,14 @@ if triton is not None:
             k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
 
             if AB_DOT:  # the head's a and b rows of the projection, read with the row's input in one wave
+                lanes = tl.arange(0, AB_BLOCK)
                 ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
-                if AB_DEFERRED:  # a deferred norm's records (`deferred_a_b`: the same bits at any T)
-                    a_b = _records_a_b(ab_x_ptr + row * stride_ab_x, ab_w_ptr, ab_rows, stride_ab_w, AB_K, ab_records,
-                                       ab_eps, AB_CHUNK)
-                else:  # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
-                    lanes = tl.arange(0, AB_BLOCK)
-                    w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :],
-                                mask=(lanes < AB_K)[None, :], other=0.0)
-                    x_row = tl.load(ab_x_ptr + row * stride_ab_x + lanes, mask=lanes < AB_K, other=0.0)
-                    products = tl.fma(w.to(tl.float32), x_row.to(tl.float32)[None, :],
-                                      tl.zeros([2, AB_BLOCK], tl.float32))
-                    a_b = pairwise_row_sum(products, AB_BLOCK)
-                a_b = a_b.to(dtype)
+                w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :], mask=(lanes < AB_K)[None, :],
+                            other=0.0)
+                x_row = tl.load(ab_x_ptr + row * stride_ab_x + lanes, mask=lanes < AB_K, other=0.0)
+                # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
+                products = tl.fma(w.to(tl.float32), x_row.to(tl.float32)[None, :], tl.zeros([2, AB_BLOCK], tl.float32))
+                a_b = pairwise_row_sum(products, AB_BLOCK).to(dtype)
                 a = tl.sum(tl.where(tl.arange(0, 2) == 0, a_b, 0.0), 0).to(tl.float32)
                 b = tl.sum(tl.where(tl.arange(0, 2) == 1, a_b, 0.0), 0).to(dtype)
             else:
@@ -206,25 +168,6 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + lanes, y, mask=ok)
         if QUANTIZE:
             store_tile_records(y, records_ptr, row, record_count, HEADS * BLOCK_V)
-
-
-def deferred_a_b(records: Int8Activations, weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """The a/b projection `[T, 2·v_heads]` in `dtype` of a deferred norm's records (`activation_quant`) `[T, H]`,
-    W `[2·v_heads, H]` (H ≤ AB_IN_KERNEL_MAX_K): the bits `gated_delta_decode` computes in its kernel for
-    a_b = (records, W), in a launch of its own — for steps of several rows, where each of the delta rule's column
-    tiles would compute it again (one program per row and head here)."""
-    _require_triton("deferred_a_b")
-    rows, hidden = records.shape
-    if records.norm_eps is None or weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] % 2 \
-            or hidden > AB_IN_KERNEL_MAX_K or weight.stride(1) != 1:
-        raise ValueError(f"deferred_a_b: a deferred norm's records [T, H] and W [2·v_heads, H ≤ {AB_IN_KERNEL_MAX_K}] "
-                         f"with unit column stride, got {list(records.shape)}, {list(weight.shape)}")
-    out = torch.empty((rows, weight.shape[0]), dtype=dtype, device=weight.device)
-    _records_a_b_kernel[(rows, weight.shape[0] // 2)](
-        records.blocks, weight, out, records.blocks.stride(0), weight.stride(0), out.stride(0), hidden,
-        records.blocks.shape[1], records.norm_eps, V_HEADS=weight.shape[0] // 2,
-        CHUNK=min(AB_RECORD_CHUNK, triton.next_power_of_2(hidden)), num_warps=4, **pdl_options(weight.device))
-    return out
 
 
 def _require_triton(name: str) -> None:
@@ -320,13 +263,12 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     `[B·T, v_heads·v_dim]`; a_b either the projection's output `[B·T, 2·v_heads]` (a | b) or, to compute it in
     the delta-rule launch, the pair (x `[B·T, H]`, W `[2·v_heads, H]`, one dtype, H ≤ AB_IN_KERNEL_MAX_K): a_b =
     x · Wᵀ in fp32 with the fixed-order sums of `dense_linear_gemv(x, W, pairwise=True)` (the same bits), rounded
-    to mixed's dtype — each with unit column stride, row views fine; x may also be a deferred norm's records
-    (`Int8Activations` with `norm_eps`: fixed-order sums over their values q · s, times the row's factor); a_log,
-    dt_bias `[v_heads]`; norm_weight `[v_dim]`; state `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots
-    `[B]` int32/int64; slots and snapshot slots all distinct, in [0, S) (not checked: no host sync); v_heads a
-    multiple of k_heads. All on one device. Returns out `[B·T, v_heads·v_dim]` in mixed's dtype; with
-    `quantize`, as `Int8Activations` (the output projection's input: its records made by the norm kernel when
-    v_dim is a multiple of 32, else by the quantizer).
+    to mixed's dtype — each with unit column stride, row views fine; a_log, dt_bias `[v_heads]`; norm_weight
+    `[v_dim]`; state `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots `[B]` int32/int64; slots and
+    snapshot slots all distinct, in [0, S) (not checked: no host sync); v_heads a multiple of k_heads. All on one
+    device. Returns out `[B·T, v_heads·v_dim]` in mixed's dtype; with `quantize`, as `Int8Activations` (the
+    output projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the
+    quantizer).
 
     Two launches: the delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
     on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated
@@ -345,18 +287,12 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     _check_rows(name, "mixed", mixed, rows, 2 * k_heads * k_dim + v_heads * v_dim)
     _check_rows(name, "z", z, rows, v_heads * v_dim)
     ab_dot = isinstance(a_b, tuple)
-    ab_records, ab_eps = 0, 0.0
     if ab_dot:
         ab_x, ab_w = a_b
         hidden = ab_w.shape[-1]
         _check_rows(name, "the a/b weight", ab_w, 2 * v_heads, hidden)
-        if isinstance(ab_x, Int8Activations):
-            if ab_x.norm_eps is None or ab_x.shape != (rows, hidden):
-                raise ValueError(f"{name}: records as the a/b input must be a deferred norm's of [{rows}, {hidden}]")
-            ab_records, ab_eps, ab_x = ab_x.blocks.shape[1], ab_x.norm_eps, ab_x.blocks
-        else:
-            _check_rows(name, "the a/b input", ab_x, rows, hidden)
-        if hidden > AB_IN_KERNEL_MAX_K or (not ab_records and ab_x.dtype != ab_w.dtype):
+        _check_rows(name, "the a/b input", ab_x, rows, hidden)
+        if hidden > AB_IN_KERNEL_MAX_K or ab_x.dtype != ab_w.dtype:
             raise ValueError(f"{name}: the a/b product in the kernel takes one dtype and K ≤ {AB_IN_KERNEL_MAX_K}, "
                              f"got {ab_x.dtype} x, {ab_w.dtype} W, K = {hidden}")
         a_b = mixed  # its own pointer is unused
@@ -386,10 +322,9 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         mixed, a_b, ab_x, ab_w, a_log, dt_bias, state, slots,
         snapshot_slots if snapshot_slots is not None else slots, o, mixed.stride(0), a_b.stride(0), ab_x.stride(0),
         ab_w.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
-        k_dim**-0.5, hidden, ab_records, ab_eps, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim,
-        BLOCK_K=block_k, BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens,
-        AB_DOT=ab_dot, AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, AB_DEFERRED=ab_records > 0,
-        AB_CHUNK=min(AB_RECORD_CHUNK, triton.next_power_of_2(hidden)) if ab_records else 1,
+        k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k,
+        BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
+        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1,
         num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
         **pdl_options(mixed.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype

@@ -26,9 +26,6 @@ Four paths:
         `expert_rows`-row block of expert `experts[s]` and input row `s // x_per_slot` (the MoE decode GEMV).
     Both keep a sum per block position of the K tile, added in a fixed pairwise order at the end; the tile depends
     on the matrix only, so a token's result is the same bits at any T (verify = decode) and on either route;
-    the batch route also takes the records of a deferred norm (`activation_quant`: it applies the row's factor)
-    and, as `quant_linear_gemv_add_norm`, makes them: the residual add and the next norm's records in the
-    epilogue of 32-row programs;
   * `quant_linear_grouped`: tiles of (token, expert) pairs that share an expert (`group_pairs` plans the tiles on
     the device) through `tl.dot` with bf16 weights (the codes decoded exactly, scaled, rounded to x's dtype) and
     fp32 accumulation, for MoE prefill: one launch per matrix for all experts;
@@ -44,10 +41,8 @@ import os
 import torch
 
 from ninfer.kernels.activation_quant import (
-    LANE_PAD,
     Int8Activations,
     dequantize_activations,
-    empty_records,
     quantize_activations,
     quantize_activations_reference,
 )
@@ -60,9 +55,6 @@ try:  # Triton is optional: the CPU path never needs it
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
-
-if triton is not None:
-    from ninfer.kernels.activation_quant import store_norm_records
 
 MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the per-token routes
 # the batch route (`_gemv_batch_kernel`): a program holds up to BATCH_TOKENS tokens and a few rows (`batch_block_n`),
@@ -322,17 +314,16 @@ if triton is not None:
 
     @triton.jit
     def _gemv_batch_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad,
-                           row_words, high_row_words, gpr, stride_out, bias, K, eps, BITS: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, NORM: tl.constexpr, ASM: tl.constexpr,
-                           PDL: tl.constexpr):
+                           row_words, high_row_words, gpr, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
+                           BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for one matrix (`_batch_program`)."""
-        _batch_store(tl.program_id(0), x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                     high_row_words, gpr, x_block_count, stride_out, bias, K, eps, BITS, GROUP, BLOCK_N, BLOCK_K,
-                     BLOCK_T, DEPTH, UNROLL, NORM, ASM, PDL)
+        _batch_program(tl.program_id(0), x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad,
+                       row_words, high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
+                       BLOCK_T, DEPTH, UNROLL, ASM, PDL)
 
     @triton.jit
-    def _gemv_batch_pair_kernel(x_blocks_ptr, T, x_block_count, programs, K, eps,
+    def _gemv_batch_pair_kernel(x_blocks_ptr, T, x_block_count, programs,
                                 base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad, row_words, high_row_words, gpr,
                                 stride_out, bias,
                                 base2_ptr, high2_ptr, scale2_ptr, out2_ptr, N2, k_pad2, row_words2, high_row_words2,
@@ -340,74 +331,33 @@ if triton is not None:
                                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
                                 UNROLL: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
                                 BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr,
-                                BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, NORM: tl.constexpr, ASM: tl.constexpr,
-                                PDL: tl.constexpr):
+                                BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for two matrices that read the same x, in one launch: the first `programs` programs are
         the first matrix's, the rest the second's, each exactly a program of `_gemv_batch_kernel` (the same bits).
         Neither product waits for the other: as two launches, the second could start only after the first had
         finished (PDL orders every kernel after all earlier ones), and the smaller one's last wave ran alone."""
         program = tl.program_id(0)
         if program < programs:
-            _batch_store(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                         high_row_words, gpr, x_block_count, stride_out, bias, K, eps, BITS, GROUP, BLOCK_N, BLOCK_K,
-                         BLOCK_T, DEPTH, UNROLL, NORM, ASM, PDL)
+            _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
+                           high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
+                           BLOCK_T, DEPTH, UNROLL, ASM, PDL)
         else:
-            _batch_store(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2, k_pad2,
-                         row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, K, eps, BITS2, GROUP2,
-                         BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, NORM, ASM, PDL)
+            _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
+                           k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
+                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, ASM, PDL)
 
     @triton.jit
-    def _gemv_batch_add_norm_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, N, k_pad,
-                                    row_words, high_row_words, gpr, bias, K, eps, residual_ptr, sum_ptr, weight_ptr,
-                                    records_ptr, record_count, BITS: tl.constexpr, GROUP: tl.constexpr,
-                                    DEPTH: tl.constexpr, UNROLL: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    BLOCK_T: tl.constexpr, NORM: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-        """The batch route with 32-row programs (one activation block of the result's row) whose epilogue is the
-        residual add and the next deferred norm: s = residual + y rounded to the residual's dtype (y rounded to it
-        first, as a separate add would take it) is stored at `sum_ptr`, and the records of the deferred norm of s
-        with weights `weight_ptr` at `records_ptr` (`store_norm_records`: the bits `fused.add_norm_records` gives
-        the same s)."""
-        program = tl.program_id(0)
-        y, tokens, rows, _ = _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, T, N, k_pad,
-                                            row_words, high_row_words, gpr, x_block_count, bias, K, eps, BITS, GROUP,
-                                            32, BLOCK_K, BLOCK_T, DEPTH, UNROLL, NORM, ASM, PDL)
-        token_ok = tokens < T
-        at = tokens[:, None].to(tl.int64) * N + rows[None, :]
-        residual = tl.load(residual_ptr + at, mask=token_ok[:, None], other=0.0)
-        s = (residual + y.to(residual.dtype)).to(residual.dtype)
-        tl.store(sum_ptr + at, s, mask=token_ok[:, None])
-        block = program // tl.cdiv(T, BLOCK_T)  # the program's 32 rows are activation block `block`
-        record = records_ptr + (tl.minimum(tokens, T - 1).to(tl.int64) * record_count + block) * 12
-        store_norm_records(s.to(tl.float32), tl.load(weight_ptr + rows).to(tl.float32)[None, :], record, token_ok)
-
-    @triton.jit
-    def _batch_store(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                     high_row_words, gpr, x_block_count, stride_out, bias, K, eps, BITS: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                     DEPTH: tl.constexpr, UNROLL: tl.constexpr, NORM: tl.constexpr, ASM: tl.constexpr,
-                     PDL: tl.constexpr):
-        """Program `program` of the batch route, its result stored at `out_ptr` (row stride `stride_out`)."""
-        y, tokens, rows, row_ok = _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, T, N, k_pad,
-                                                 row_words, high_row_words, gpr, x_block_count, bias, K, eps, BITS,
-                                                 GROUP, BLOCK_N, BLOCK_K, BLOCK_T, DEPTH, UNROLL, NORM, ASM, PDL)
-        out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
-        tl.store(out, y, mask=(tokens < T)[:, None] & row_ok[None, :])
-
-    @triton.jit
-    def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, T, N, k_pad, row_words,
-                       high_row_words, gpr, x_block_count, bias, K, eps, BITS: tl.constexpr, GROUP: tl.constexpr,
+    def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
+                       high_row_words, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DEPTH: tl.constexpr,
-                       UNROLL: tl.constexpr, NORM: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                       UNROLL: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """Program `program` of the batch route: BLOCK_T tokens × BLOCK_N rows. Every tensor is block-major
         ([BLOCKS, …, 4] with the 4 words of a block's units last), and Triton's layout then puts the blocks across
         the warp's lanes and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
         `[BLOCKS, 1, BN, 4]` broadcast in place (checked with `scripts/compile_kernels.py --resources`: no shared
         memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp). DEPTH (1 or 2) weight
         tiles are loaded ahead, kept as loaded until used; the K loop is unrolled UNROLL times (2: the tile loaded
-        ahead lands in the registers it is used from, where a loop-carried copy would wait for the load). With NORM
-        the records are a deferred norm's (`activation_quant`): word 10 summed over the row (in the fixed order of
-        the dot products) gives the factor (Σ / K + eps)^-½ of the result. Returns (the result `[BLOCK_T, BLOCK_N]`
-        fp32, the tokens, the rows, whether each row is < N)."""
+        ahead lands in the registers it is used from, where a loop-carried copy would wait for the load)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         rows, row_ok, safe_rows, tokens = _row_and_token_tiles(program, N, T, BLOCK_N, BLOCK_T)
@@ -418,7 +368,6 @@ if triton is not None:
         x_record = x_blocks_ptr + (x_rows[None, :, None, None] * x_block_count + blocks) * 12 + word
         w_rows = safe_rows[None, None, :, None]
         acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
-        squares = tl.zeros((BLOCKS, BLOCK_T, 1), dtype=tl.float32)
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
         words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, 0, row_words, high_row_words, gpr,
                                             BITS, GROUP, BLOCK_K, ASM)
@@ -440,17 +389,13 @@ if triton is not None:
             x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
             block_dots = _exact_float(tl.sum(dots, axis=3), tl.sum(tl.where(word == 1, meta, 0), axis=3), OFFSET)
             acc += block_dots * (tl.reshape(scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
-            if NORM:
-                squares += tl.sum(tl.where(word == 2, meta, 0), axis=3).to(tl.float32, bitcast=True)
             if DEPTH == 2:
                 words, high, w_scale = words2, high2, w_scale2
                 words2, high2, w_scale2 = next_tile
             else:
                 words, high, w_scale = next_tile
-        y = _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS)
-        if NORM:
-            y = y * tl.rsqrt(_pairwise_sum(tl.permute(squares, (1, 2, 0)), BLOCKS) / K + eps)
-        return y, tokens, rows, row_ok
+        out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
+        tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
 
     @triton.jit
     def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_words, gpr, BITS: tl.constexpr,
@@ -636,13 +581,10 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         raise ValueError(f"block_k {block_k} does not divide the padded K of {product.k_pad}")
     if route == "batch":
         programs, args, constants = product.batch(block_n, block_t, depth, unroll)
-        _gemv_batch_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], *args, *product.norm,
-                                        **constants, BLOCK_K=block_k, BLOCK_T=block_t or product.block_t,
-                                        NORM=acts.norm_eps is not None, ASM=ASM, num_warps=num_warps or 1,
-                                        **pdl_options(data.device))
+        _gemv_batch_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], *args, **constants,
+                                        BLOCK_K=block_k, BLOCK_T=block_t or product.block_t, ASM=ASM,
+                                        num_warps=num_warps or 1, **pdl_options(data.device))
         return product.out
-    if acts.norm_eps is not None:
-        raise ValueError("the records of a deferred norm go through the batch route only")
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     codec, planes, n, out = product.codec, product.planes, product.n, product.out
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
@@ -672,49 +614,10 @@ def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple) -> t
                          f"{BATCH_BLOCK_K}), not K = {[p.k_pad for p in products]}")
     (programs, args, constants), (programs2, args2, constants2) = (p.batch() for p in products)
     _gemv_batch_pair_kernel[(programs + programs2,)](
-        x.blocks, products[0].tokens, x.blocks.shape[1], programs, *products[0].norm, *args, *args2, **constants,
+        x.blocks, products[0].tokens, x.blocks.shape[1], programs, *args, *args2, **constants,
         **{name + "2": value for name, value in constants2.items()}, BLOCK_K=BATCH_BLOCK_K,
-        BLOCK_T=products[0].block_t, NORM=x.norm_eps is not None, ASM=ASM, num_warps=1,
-        **pdl_options(x.blocks.device))
+        BLOCK_T=products[0].block_t, ASM=ASM, num_warps=1, **pdl_options(x.blocks.device))
     return products[0].out, products[1].out
-
-
-# a 32-row program of `quant_linear_gemv_add_norm`: 16 warps of two rows (as the batch route's one-token programs),
-# two weight tiles in flight without unrolling (DEPTH 2, UNROLL 1), capped at 64 registers a thread, which it fits
-# without spilling (sm_90: `scripts/compile_kernels.py --resources`; 83 uncapped with UNROLL 2): two programs then
-# fit an SM, and the 160 programs of a 5,120-row matrix run in one wave on the H200's 132 SMs
-ADD_NORM_WARPS, ADD_NORM_PIPELINE, ADD_NORM_REGISTERS = 16, (2, 1), 64
-
-
-def quant_linear_gemv_add_norm(x: Int8Activations, data: torch.Tensor, shape: tuple[int, int], fmt: str,
-                               residual: torch.Tensor, weight: torch.Tensor,
-                               eps: float) -> tuple[torch.Tensor, Int8Activations]:
-    """The integer GEMV y = x · Wᵀ (batch route) with the residual add and the next norm in its epilogue:
-    returns (s, the records of the deferred norm of s with `weight` and `eps`), s = residual + y rounded to the
-    residual's dtype `[T, N]` — the bits of `fused.add_norm_records(residual, y, weight, eps)` after
-    `quant_linear_gemv(x, …, out_dtype=residual.dtype)`, in one launch. N must be a multiple of 128 (the records'
-    lane padding) and residual `[T, N]` contiguous."""
-    if triton is None:
-        raise RuntimeError("the Triton GEMV needs the triton package")
-    n = shape[0]
-    if n % LANE_PAD or residual.shape != (x.shape[0], n) or not residual.is_contiguous() or weight.shape != (n,):
-        raise ValueError(f"the GEMV's add + norm takes {LANE_PAD}-lane multiples of rows, a contiguous [T, N] residual "
-                         f"and an [N] weight: N = {n}, residual {list(residual.shape)}, weight {list(weight.shape)}")
-    product = _Product(x, data, shape, fmt, residual, None, None, 0)  # the residual's shape checks the output's
-    if gemv_route(product.k_pad) != "batch":
-        raise ValueError(f"the GEMV's add + norm takes matrices of the batch route, not K = {product.k_pad}")
-    total = torch.empty_like(residual)
-    records = empty_records(x.shape[0], n, residual.device)
-    _, args, constants = product.batch(32, None, *ADD_NORM_PIPELINE)
-    base, high, scales, _, _, k_pad, row_words, high_row_words, gpr, _, bias = args
-    block_t = product.block_t
-    _gemv_batch_add_norm_kernel[(n // 32 * triton.cdiv(product.tokens, block_t),)](
-        x.blocks, product.tokens, x.blocks.shape[1], base, high, scales, n, k_pad, row_words, high_row_words, gpr,
-        bias, *product.norm, residual, total, weight, records, records.shape[1], BITS=constants["BITS"],
-        GROUP=constants["GROUP"], DEPTH=constants["DEPTH"], UNROLL=constants["UNROLL"], BLOCK_K=BATCH_BLOCK_K,
-        BLOCK_T=block_t, NORM=x.norm_eps is not None, ASM=ASM, num_warps=1 if INTERPRETED else ADD_NORM_WARPS,
-        maxnreg=ADD_NORM_REGISTERS, **pdl_options(residual.device))
-    return total, Int8Activations(total, records, eps)
 
 
 def _checked_tokens(x: torch.Tensor, whole: bool) -> torch.Tensor:
@@ -749,7 +652,6 @@ class _Product:
         self.out = out
         self.bias = 0 if self.codec.bits == 8 else 0x01010101 << (self.codec.bits - 1)  # the code offset per byte
         self.block_t = min(BATCH_TOKENS, triton.next_power_of_2(self.tokens))
-        self.norm = (k, acts.norm_eps or 0.0)  # the batch kernels' K and eps (used with deferred-norm records)
 
     def batch(self, block_n: int | None = None, block_t: int | None = None, depth: int | None = None,
               unroll: int | None = None) -> tuple[int, tuple, dict]:
