@@ -20,7 +20,6 @@ docs/fast-path.md describes the whole path.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Sequence
 
@@ -39,7 +38,6 @@ from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
 from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, gated_delta_decode
-from ninfer.kernels.l2_prefetch import PREFETCH_BYTES, L2Prefetch
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs
@@ -91,7 +89,7 @@ class FastQwen35:
 
     def __init__(self, config: TextConfig, linears: dict[str, PackedLinear], vectors: dict[str, torch.Tensor],
                  cache: SequenceCache, plan: MemoryPlan, *, dtype: torch.dtype, prefill_chunk: int, graphs: bool,
-                 int8_activations: bool = True, l2_prefetch: bool = False):
+                 int8_activations: bool = True):
         self.config = config
         self.linears = linears
         self.vectors = vectors
@@ -108,8 +106,6 @@ class FastQwen35:
         self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.use_graphs = graphs and self.device.type == "cuda"
-        # in decode and verify steps, small kernels stream the next GEMV's first rows into L2 (`l2_prefetch`)
-        self.prefetch = self._prefetch_targets() if l2_prefetch else {}
 
     @property
     def kv_capacity(self) -> int:
@@ -133,7 +129,7 @@ class FastQwen35:
                       max_context: int = 32768, kv_capacity: int | None = None, kv_dtype: str = "bf16",
                       prefill_chunk: int = 4096, dtype: torch.dtype = torch.bfloat16, graphs: bool = True,
                       max_verify_tokens: int = 0, int8_activations: bool = True,
-                      l2_prefetch: bool | None = None, progress: bool = False) -> FastQwen35:
+                      progress: bool = False) -> FastQwen35:
         """Plan the memory (refusing what does not fit before loading anything), then load the weights and
         allocate the pools. `dtype` is the activation dtype (bf16; fp32 serves the CPU tests under the Triton
         interpreter) and the dtype of "bf16" KV pages. `max_verify_tokens` > 0 reserves GDN snapshot slots for
@@ -159,36 +155,8 @@ class FastQwen35:
         cache = SequenceCache(config, device, slots=max_sequences, kv_tokens=plan.kv_tokens,
                               max_context=max_context, kv_dtype=kv_dtype, float_dtype=dtype,
                               max_verify_tokens=max_verify_tokens)
-        if l2_prefetch is None:
-            l2_prefetch = os.environ.get("NINFER_L2_PREFETCH") == "1"
         return cls(config, linears, vectors, cache, plan, dtype=dtype, prefill_chunk=prefill_chunk, graphs=graphs,
-                   int8_activations=int8_activations, l2_prefetch=l2_prefetch)
-
-    def _prefetch_targets(self) -> dict[tuple[int, str], L2Prefetch]:
-        """(layer, what) → the first rows of the packed matrices a decode step reads next: "mixer" (the layer's
-        input projections; layer `layers` is the head), "output" (the mixer's output projection), "gate_up" and
-        "down" (a dense MLP's)."""
-        c = self.config
-        groups = {(c.layers, "mixer"): [self.head]}
-        for i, kind in enumerate(c.layer_types):
-            mixer = f"layers/{i}/attention/" if kind == FULL_ATTENTION else f"layers/{i}/gdn/"
-            inputs = ("query_key", "gate_value") if kind == FULL_ATTENTION else ("query_key", "value_z")
-            groups[i, "mixer"] = [self.linears[mixer + n] for n in inputs]
-            groups[i, "output"] = [self.linears[mixer + "output"]]
-            if not c.moe:
-                groups[i, "gate_up"] = [self.linears[f"layers/{i}/mlp/gate_up"]]
-                groups[i, "down"] = [self.linears[f"layers/{i}/mlp/down"]]
-        budget = int(float(os.environ.get("NINFER_L2_PREFETCH_MIB", PREFETCH_BYTES / 2**20)) * 2**20)
-        targets = {}
-        for key, linears in groups.items():
-            matrices = [(m.data, m.shape, m.format) for m in linears if m.packed and m.groupwise]
-            if matrices:
-                targets[key] = L2Prefetch(matrices, budget)
-        return targets
-
-    def _prefetch(self, layer: int, what: str, x: torch.Tensor, integer: bool) -> L2Prefetch | None:
-        """The prefetch a small kernel making x gives (`_prefetch_targets`): in decode and verify steps only."""
-        return self.prefetch.get((layer, what)) if self._quantizes(x, integer) else None
+                   int8_activations=int8_activations)
 
     def warm_up(self, max_batch: int | None = None) -> float:
         """Compile the kernels and capture the decode graphs that serving meets, before the first request; returns
@@ -418,16 +386,13 @@ class FastQwen35:
         as `Int8Activations`, quantized by the norm that made it."""
         c = self.config
         quantize = self._quantizes(x, integer)  # the norms emit the GEMVs' int8 records themselves
-        x, h = add_rms_norm(x, None, self.vectors["layers/0/input_norm"], c.rms_eps, quantize,
-                            self._prefetch(0, "mixer", x, integer))
+        x, h = add_rms_norm(x, None, self.vectors["layers/0/input_norm"], c.rms_eps, quantize)
         for i, kind in enumerate(c.layer_types):
             prefix = f"layers/{i}/"
             mixed = attention(h, i) if kind == FULL_ATTENTION else gdn(h, i)
-            x, h = add_rms_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], c.rms_eps, quantize,
-                                self._prefetch(i, "gate_up", x, integer))
+            x, h = add_rms_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], c.rms_eps, quantize)
             following = f"layers/{i + 1}/input_norm" if i + 1 < c.layers else "final_norm"
-            x, h = add_rms_norm(x, self._mlp(h, prefix, integer), self.vectors[following], c.rms_eps, quantize,
-                                self._prefetch(i + 1, "mixer", x, integer))
+            x, h = add_rms_norm(x, self._mlp(h, prefix, integer), self.vectors[following], c.rms_eps, quantize)
         return h
 
     def _attention_inputs(self, h: torch.Tensor, layer: int, positions: torch.Tensor, tables: torch.Tensor,
@@ -456,8 +421,7 @@ class FastQwen35:
                                    max_length=cache.max_pages * cache.page)
         output = self.linears[f"layers/{layer}/attention/output"]
         quantize = self._quantizes_for(output, gate, self.int8_activations)
-        gated = sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=quantize,
-                            prefetch=self._prefetch(layer, "output", h, self.int8_activations))
+        gated = sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=quantize)
         return self._linear(output, gated, self.int8_activations)
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
@@ -482,8 +446,7 @@ class FastQwen35:
             a_b = a_b(source)
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
-                              self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots,
-                              prefetch=self._prefetch(layer, "output", h, self.int8_activations))
+                              self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)
         o = gated_delta_decode(mixed, projected[:, key_columns + value_rows :], a_b, self.vectors[prefix + "a_log"],
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
@@ -498,10 +461,7 @@ class FastQwen35:
         if not c.moe:
             gate_up = self._linear(self.linears[prefix + "mlp/gate_up"], h, integer)
             down = self.linears[prefix + "mlp/down"]
-            layer = int(prefix.split("/")[1])
-            activation = silu_mul(gate_up, self._quantizes_for(down, gate_up, integer),
-                                  self._prefetch(layer, "down", gate_up, integer))
-            return self._linear(down, activation, integer)
+            return self._linear(down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer)), integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]

@@ -27,7 +27,6 @@ from torch import Tensor
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
-from ninfer.kernels.l2_prefetch import L2Prefetch, launch_args
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -37,31 +36,14 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 if triton is not None:
     from ninfer.kernels.activation_quant import store_tile_records
-    from ninfer.kernels.l2_prefetch import spare_program
 
 
 if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_out,
-                             eps, record_count, ranges_ptr, range_count, rows, HAS_H: tl.constexpr,
-                             QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
-                             PREFETCH: tl.constexpr, PREFETCH_ASM: tl.constexpr, PREFETCH_WAIT: tl.constexpr,
-                             PDL: tl.constexpr):
-        if PREFETCH:
-            if tl.program_id(0) >= rows:  # a spare program: the next GEMV's first rows into L2
-                spare_program(ranges_ptr, range_count, rows, PREFETCH_ASM, PREFETCH_WAIT, PDL)
-            else:
-                _add_rms_norm_row(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h,
-                                  stride_out, eps, record_count, HAS_H, QUANTIZE, BLOCK, SLICE, PDL)
-        else:
-            _add_rms_norm_row(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_out,
-                              eps, record_count, HAS_H, QUANTIZE, BLOCK, SLICE, PDL)
-
-    @triton.jit
-    def _add_rms_norm_row(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_out,
-                          eps, record_count, HAS_H: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
-                          SLICE: tl.constexpr, PDL: tl.constexpr):
+                             eps, record_count, HAS_H: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
+                             SLICE: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         # every program of a row reduces the whole row (the same bits in each), then writes its SLICE of lanes
         row = tl.program_id(0).to(tl.int64)
@@ -91,20 +73,8 @@ if triton is not None:
             store_tile_records(y, records_ptr, row, record_count, SLICE)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, ranges_ptr, range_count, rows,
-                         QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                         PREFETCH_ASM: tl.constexpr, PREFETCH_WAIT: tl.constexpr, PDL: tl.constexpr):
-        if PREFETCH:
-            if tl.program_id(0) >= rows:  # a spare program: the next GEMV's first rows into L2
-                spare_program(ranges_ptr, range_count, rows, PREFETCH_ASM, PREFETCH_WAIT, PDL)
-            else:
-                _silu_mul_tile(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE, BLOCK, PDL)
-        else:
-            _silu_mul_tile(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE, BLOCK, PDL)
-
-    @triton.jit
-    def _silu_mul_tile(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE: tl.constexpr,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -119,22 +89,8 @@ if triton is not None:
             store_tile_records(y, records_ptr, row, record_count, BLOCK)
 
     @triton.jit
-    def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, records_ptr, D, stride_x, stride_gate, record_count, ranges_ptr,
-                            range_count, rows, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
-                            PREFETCH_ASM: tl.constexpr, PREFETCH_WAIT: tl.constexpr, PDL: tl.constexpr):
-        if PREFETCH:
-            if tl.program_id(0) >= rows:  # a spare program: the next GEMV's first rows into L2
-                spare_program(ranges_ptr, range_count, rows, PREFETCH_ASM, PREFETCH_WAIT, PDL)
-            else:
-                _sigmoid_mul_tile(x_ptr, gate_ptr, out_ptr, records_ptr, D, stride_x, stride_gate, record_count,
-                                  QUANTIZE, BLOCK, PDL)
-        else:
-            _sigmoid_mul_tile(x_ptr, gate_ptr, out_ptr, records_ptr, D, stride_x, stride_gate, record_count, QUANTIZE,
-                              BLOCK, PDL)
-
-    @triton.jit
-    def _sigmoid_mul_tile(x_ptr, gate_ptr, out_ptr, records_ptr, D, stride_x, stride_gate, record_count,
-                          QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, records_ptr, D, stride_x, stride_gate, record_count,
+                            QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -202,11 +158,10 @@ def _check(name: str, *tensors: Tensor) -> None:
                              f"strides {t.stride()}")
 
 
-def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float, quantize: bool = False,
-                 prefetch: L2Prefetch | None = None) -> tuple[Tensor, Tensor | Int8Activations]:
+def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
+                 quantize: bool = False) -> tuple[Tensor, Tensor | Int8Activations]:
     """(s, rms_norm(s)) with s = x + h (or s = x when h is None); see the module docstring. With `quantize`, the
-    norm comes as `Int8Activations` (its int8 records made in the same pass, equal to `quantize_activations`'s).
-    With `prefetch`, spare programs stream its ranges into L2 (`ninfer.kernels.l2_prefetch`)."""
+    norm comes as `Int8Activations` (its int8 records made in the same pass, equal to `quantize_activations`'s)."""
     _check("add_rms_norm", x, *([h] if h is not None else []))
     rows, width = x.shape
     total = torch.empty((rows, width), dtype=x.dtype, device=x.device) if h is not None else x
@@ -217,45 +172,37 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float, quanti
     # row itself (one launch, no second pass); many rows (prefill): a program per row
     split = rows <= NORM_SPLIT_ROWS and block > ELEMENTWISE_BLOCK
     slice_ = ELEMENTWISE_BLOCK if split else block
-    tiles = triton.cdiv(width, slice_)
-    spare, ranges, constants = launch_args(prefetch, x, tiles)
-    _add_rms_norm_kernel[(rows + spare, tiles)](  # slices are whole 128-lane units: padding covered
+    _add_rms_norm_kernel[(rows, triton.cdiv(width, slice_))](  # slices are whole 128-lane units: padding covered
         x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
-        h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0, *ranges, rows,
-        HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_, **constants,
+        h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
+        HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
         num_warps=8 if split else max(1, min(16, block // 256)), **pdl_options(x.device))
     return total, Int8Activations(out, records) if quantize else out
 
 
-def silu_mul(gate_up: Tensor, quantize: bool = False, prefetch: L2Prefetch | None = None) -> Tensor | Int8Activations:
+def silu_mul(gate_up: Tensor, quantize: bool = False) -> Tensor | Int8Activations:
     """silu(gate_up[:, :I]) · gate_up[:, I:] → `[B, I]`; with `quantize`, as `Int8Activations` (its int8 records
-    made in the same pass, equal to `quantize_activations`'s); `prefetch` as `add_rms_norm`'s."""
+    made in the same pass, equal to `quantize_activations`'s)."""
     _check("silu_mul", gate_up)
     rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     records = empty_records(rows, inter, out.device) if quantize else out
-    tiles = triton.cdiv(inter, ELEMENTWISE_BLOCK)
-    spare, ranges, constants = launch_args(prefetch, gate_up, tiles)
-    _silu_mul_kernel[(rows + spare, tiles)](
-        gate_up, out, records, inter, gate_up.stride(0), records.shape[1] if quantize else 0, *ranges, rows,
-        QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, **constants, num_warps=4, **pdl_options(gate_up.device))
+    _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](
+        gate_up, out, records, inter, gate_up.stride(0), records.shape[1] if quantize else 0, QUANTIZE=quantize,
+        BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(gate_up.device))
     return Int8Activations(out, records) if quantize else out
 
 
-def sigmoid_mul(x: Tensor, gate: Tensor, quantize: bool = False,
-                prefetch: L2Prefetch | None = None) -> Tensor | Int8Activations:
-    """x · sigmoid(gate) → `[B, D]` in x's dtype; with `quantize`, as `Int8Activations` (as `silu_mul`'s);
-    `prefetch` as `add_rms_norm`'s."""
+def sigmoid_mul(x: Tensor, gate: Tensor, quantize: bool = False) -> Tensor | Int8Activations:
+    """x · sigmoid(gate) → `[B, D]` in x's dtype; with `quantize`, as `Int8Activations` (as `silu_mul`'s)."""
     _check("sigmoid_mul", x, gate)
     rows, width = x.shape
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     records = empty_records(rows, width, out.device) if quantize else out
-    tiles = triton.cdiv(width, ELEMENTWISE_BLOCK)
-    spare, ranges, constants = launch_args(prefetch, x, tiles)
-    _sigmoid_mul_kernel[(rows + spare, tiles)](
-        x, gate, out, records, width, x.stride(0), gate.stride(0), records.shape[1] if quantize else 0, *ranges,
-        rows, QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, **constants, num_warps=4, **pdl_options(x.device))
+    _sigmoid_mul_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
+        x, gate, out, records, width, x.stride(0), gate.stride(0), records.shape[1] if quantize else 0,
+        QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(x.device))
     return Int8Activations(out, records) if quantize else out
 
 

@@ -23,7 +23,6 @@ from torch import Tensor
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, quantize_activations
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
-from ninfer.kernels.l2_prefetch import L2Prefetch, launch_args
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -34,7 +33,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 if triton is not None:
     from ninfer.kernels.activation_quant import store_tile_records
     from ninfer.kernels.fixed_order import pairwise_row_sum
-    from ninfer.kernels.l2_prefetch import spare_program
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
 CONV_BLOCK_C = 256  # channels per conv program
@@ -52,26 +50,7 @@ if triton is not None:
     @triton.jit
     def _conv1d_update_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, T,
                               stride_x, stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out,
-                              ranges_ptr, range_count, B, K: tl.constexpr, BLOCK_C: tl.constexpr,
-                              SNAPSHOTS: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_ASM: tl.constexpr,
-                              PREFETCH_WAIT: tl.constexpr, PDL: tl.constexpr):
-        if PREFETCH:
-            if tl.program_id(0) >= B:  # a spare program: the next GEMV's first rows into L2
-                spare_program(ranges_ptr, range_count, B, PREFETCH_ASM, PREFETCH_WAIT, PDL)
-            else:
-                _conv1d_update_tile(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, T, stride_x,
-                                    stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out, K,
-                                    BLOCK_C, SNAPSHOTS, PDL)
-        else:
-            _conv1d_update_tile(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, T, stride_x,
-                                stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out, K, BLOCK_C,
-                                SNAPSHOTS, PDL)
-
-    @triton.jit
-    def _conv1d_update_tile(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, T,
-                            stride_x, stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out,
-                            K: tl.constexpr, BLOCK_C: tl.constexpr, SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
-        """Sequence program_id(0)'s BLOCK_C channels from program_id(1)."""
+                              K: tl.constexpr, BLOCK_C: tl.constexpr, SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         sequence = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -218,7 +197,7 @@ def _check_snapshots(name: str, snapshots: Tensor | None, sequences: int, tokens
 
 
 def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, tokens: int = 1,
-                  snapshot_slots: Tensor | None = None, prefetch: L2Prefetch | None = None) -> Tensor:
+                  snapshot_slots: Tensor | None = None) -> Tensor:
     """`silu(depthwise causal conv)` of `tokens` new tokens per sequence, each continuing its own pooled window.
 
     Math: rows b·T … b·T + T − 1 of x are sequence b's tokens in order; with its window `u = conv_state[slots[b]]`
@@ -232,7 +211,6 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
     Shapes: x `[B·T, C]` fp32/bf16/fp16 with unit column stride (a row-slice view is fine); weight `[C, K]`, K ≥ 2,
     any float dtype; conv_state `[S, C, K-1]` in x's dtype (any strides); slots `[B]` int32/int64 on x's
     device; slots and snapshot slots all distinct, in [0, S) (not checked: no host sync). Returns `[B·T, C]`.
-    With `prefetch`, spare programs stream its ranges into L2 (`ninfer.kernels.l2_prefetch`).
     """
     _require_triton("conv1d_update")
     if x.dim() != 2 or weight.dim() != 2:
@@ -257,13 +235,11 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
     out = torch.empty((rows, C), dtype=x.dtype, device=x.device)
     if B == 0:
         return out
-    tiles = triton.cdiv(C, CONV_BLOCK_C)
-    spare, ranges, constants = launch_args(prefetch, x, tiles)
-    _conv1d_update_kernel[(B + spare, tiles)](
+    _conv1d_update_kernel[(B, triton.cdiv(C, CONV_BLOCK_C))](
         x, weight, conv_state, slots, snapshot_slots if snapshot_slots is not None else slots, out, C, tokens,
         x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0), conv_state.stride(1),
-        conv_state.stride(2), out.stride(0), *ranges, B, K=K, BLOCK_C=CONV_BLOCK_C,
-        SNAPSHOTS=snapshot_slots is not None, **constants, **pdl_options(x.device))
+        conv_state.stride(2), out.stride(0), K=K, BLOCK_C=CONV_BLOCK_C, SNAPSHOTS=snapshot_slots is not None,
+        **pdl_options(x.device))
     return out
 
 
