@@ -357,11 +357,11 @@ def test_verify_equals_token_by_token_decode_and_accept_resumes(path):
         fast.decode_batch(verified, drafts[:, 0])
     fast.accept(verified, [1, 2])  # sequence 0 keeps one draft (its snapshot), sequence 1 both
     assert [s.length for s in verified] == [10, 7]
-    reference = [fast.new_state(32) for _ in prompts]  # the prompt, then the kept drafts one decode step each
-    for b, kept in enumerate((1, 2)):
-        fast.forward(prompts[b], reference[b])
-        for draft in drafts[b, :kept]:
-            fast.decode_batch([reference[b]], draft[None])
+    # where decoding the kept drafts leaves each sequence: sequence 1 kept both, as `stepped[1]` decoded them;
+    # sequence 0 its prompt and its first draft
+    reference = [fast.new_state(32), stepped[1]]
+    fast.forward(prompts[0], reference[0])
+    fast.decode_batch(reference[:1], drafts[:1, 0])
     nxt = torch.tensor([30, 31])
     assert torch.equal(fast.decode_batch(verified, nxt), fast.decode_batch(reference, nxt))
     with pytest.raises(ValueError, match=r"1\.\.2 tokens"):
