@@ -130,15 +130,16 @@ def test_snapshot_restore_continues_like_the_original(dense):
 def test_warm_up_captures_every_bucket_and_leaves_the_pools_as_they_were(dense, monkeypatch):
     _, fast = dense
     if DEVICE == "cpu":  # each interpreted prompt takes seconds: fewer lengths of both routes, the same bookkeeping
-        monkeypatch.setattr(runner, "SHORT_PREFILL_TOKENS", 3)
+        monkeypatch.setattr(runner, "SHORT_PREFILL_TOKENS", 2)
         monkeypatch.setattr(runner, "WARM_UP_LENGTHS", (17,))
     gc.collect()
     before, during = fast.new_state(64), fast.new_state(64)
-    fast.forward(torch.tensor(PROMPT), before)
-    fast.forward(torch.tensor(PROMPT), during)
+    fast.forward(torch.tensor(PROMPT[:10]), before)
+    fast.forward(torch.tensor(PROMPT[:10]), during)
     expected = fast.decode_batch([before], torch.tensor([7]))
     free_slots, free_pages = len(fast.cache.free_slots), len(fast.cache.free_pages)
-    assert fast.warm_up() > 0
+    # interpreted, one decode step per bucket would cost seconds each: the bucket of one only (no graphs on the CPU)
+    assert fast.warm_up(max_batch=1 if DEVICE == "cpu" else None) > 0
     gc.collect()
     assert (len(fast.cache.free_slots), len(fast.cache.free_pages)) == (free_slots, free_pages)
     if fast.use_graphs:  # (earlier tests of the module may have captured others)
@@ -338,11 +339,13 @@ def test_engine_prefix_reuse_on_the_fast_runner(dense):
     assert engine.stats()["prefix_hits"] == 1
 
 
-@pytest.mark.parametrize("path", [DENSE, MOE])
-def test_verify_equals_token_by_token_decode_and_accept_resumes(path):
+def test_verify_equals_token_by_token_decode_and_accept_resumes():
     """A verify step of T draft tokens gives the bits of T single-token decode steps; accepting j of them leaves
-    each sequence exactly where decoding those j tokens would (GDN state from the verify snapshots)."""
-    _, fast = _models(path, max_sequences=6, max_verify_tokens=2)
+    each sequence exactly where decoding those j tokens would (GDN state from the verify snapshots). On the dense
+    model only: snapshots and accept do not depend on the MLP, and the MoE's T-row pass of the decode kernels is
+    `test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one`'s (interpreted, each model costs CI
+    over a minute here)."""
+    _, fast = _models(DENSE, max_sequences=6, max_verify_tokens=2)
     prompts = [torch.tensor(PROMPT[:9]), torch.tensor(PROMPT[9:14])]
     drafts = torch.tensor([[11, 12], [21, 22]])
     verified = [fast.new_state(32) for _ in prompts]
