@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.activation_quant import quantize_activations
-from ninfer.kernels.quant_linear import _planes, quant_linear_gemv
+from ninfer.kernels.quant_linear import quant_linear_gemv
 from ninfer.quant import codec_for
 
 LINE = tl.constexpr(128)
@@ -65,12 +65,13 @@ dummy = torch.zeros(4, dtype=torch.int32, device="cuda")
 def spin_prefetch(spin_ns, data, shape, fmt, fraction, columns_first):
     """One launch: the spin, and (fraction > 0) the prefetch of the first fraction of each row (columns first) or of
     the first fraction of the rows."""
-    planes = _planes(data, shape, fmt)[-1]
+    planes = codec_for(fmt).planes(shape)
     n = shape[0]
     rows = n if columns_first else max(1, int(n * fraction))
     args = []
     for plane in planes:
-        prefix = plane.row_bytes if not columns_first else max(LINE.value, int(plane.row_bytes * fraction) // 128 * 128)
+        line = LINE.value
+        prefix = max(line, int(plane.row_bytes * fraction) // line * line) if columns_first else plane.row_bytes
         args += [data[plane.offset:], plane.row_bytes, prefix]
     args += [data, 0, 0] * (3 - len(planes))
     programs = 1 + (triton.cdiv(rows, 16) if fraction else 0)
