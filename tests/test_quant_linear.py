@@ -19,7 +19,6 @@ from ninfer.kernels.activation_quant import (
     quantize_activations,
     quantize_activations_reference,
 )
-from ninfer.kernels.gdn_decode import ConvUpdate, conv1d_update
 from ninfer.kernels.quant_linear import (
     dequantize,
     group_pairs,
@@ -204,46 +203,6 @@ def test_a_gemv_pair_gives_each_product_the_bits_of_its_own_launch(formats, toke
         acts_640 = quantize_activations(torch.randn(1, 640, generator=generator).to(DEVICE))
         quant_linear_gemv_pair(acts_640, (short, (8, 640), "q4_g64_fp16", None), (short, (8, 640), "q4_g64_fp16", None))
 
-
-
-@pytest.mark.parametrize("sequences", [1, 3])
-def test_the_conv_update_in_the_gemv_has_the_bits_of_the_conv_kernel(sequences):
-    """The GDN decode step's q|k and v|z products with the conv update in their epilogue (`ConvUpdate`, one launch
-    for both): the conv columns and the shifted windows equal the GEMVs followed by `conv1d_update` bit for bit,
-    the other columns (z) equal the plain product, and no other pool slot is touched."""
-    k, key_rows, value_rows, z_rows, taps, pool = 1024, 40, 48, 24, 4, 6
-    channels = key_rows + value_rows
-    generator = torch.Generator().manual_seed(sequences)
-    (query_key, _), (value_z, _) = _matrix("q4_g64_fp16", key_rows, k, 3), _matrix("q5_g64_fp16", value_rows + z_rows,
-                                                                                   k, 4)
-    acts = quantize_activations(torch.randn(sequences, k, generator=generator).to(DEVICE))
-    weight = (torch.randn(channels, taps, generator=generator) * 0.3).to(DEVICE)
-    state = torch.randn(pool, channels, taps - 1, generator=generator).to(DEVICE)
-    slots = torch.tensor([4, 1, 2][:sequences], device=DEVICE)
-    plain = torch.cat([quant_linear_gemv(acts, query_key, (key_rows, k), "q4_g64_fp16"),
-                       quant_linear_gemv(acts, value_z, (value_rows + z_rows, k), "q5_g64_fp16")], dim=1)
-    expected_state = state.clone()
-    expected = plain.clone()
-    expected[:, :channels] = conv1d_update(plain[:, :channels], weight, expected_state, slots)
-    for paired in (True, False):
-        fused_state = state.clone()
-        out = torch.full((sequences, channels + z_rows + 3), -7.0, device=DEVICE)
-        convs = (ConvUpdate(weight, fused_state, slots, 0, key_rows),
-                 ConvUpdate(weight, fused_state, slots, key_rows, value_rows))
-        products = ((query_key, (key_rows, k), "q4_g64_fp16", out[:, :key_rows], convs[0]),
-                    (value_z, (value_rows + z_rows, k), "q5_g64_fp16", out[:, key_rows : channels + z_rows], convs[1]))
-        if paired:
-            quant_linear_gemv_pair(acts, *products)
-        else:
-            for data, shape, fmt, target, conv in products:
-                quant_linear_gemv(acts, data, shape, fmt, out=target, conv=conv)
-        assert torch.equal(out[:, : channels + z_rows], expected), f"paired={paired}"
-        assert out[:, channels + z_rows :].eq(-7).all()
-        assert torch.equal(fused_state, expected_state), f"windows, paired={paired}"
-    with pytest.raises(ValueError, match="state must be in the product's dtype"):
-        quant_linear_gemv(acts, query_key, (key_rows, k), "q4_g64_fp16", out_dtype=torch.bfloat16, conv=convs[0])
-    with pytest.raises(ValueError, match="do not fit"):
-        quant_linear_gemv(acts, query_key, (key_rows, k), "q4_g64_fp16", conv=convs[1]._replace(columns=key_rows + 1))
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])
 @pytest.mark.parametrize("x_per_slot", [1, 2])

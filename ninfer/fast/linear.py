@@ -25,7 +25,6 @@ from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
 from ninfer.kernels.fp8_linear import MAX_TOKENS as FP8_GEMV_TOKENS
 from ninfer.kernels.fp8_linear import fp8_block, fp8_linear_gemv, fp8_rows
-from ninfer.kernels.gdn_decode import ConvUpdate
 from ninfer.kernels.quant_linear import (
     MAX_GEMV_TOKENS,
     dequantize,
@@ -63,16 +62,13 @@ PAIRED_GEMV_TOKENS = 1
 
 
 def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
-            outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None,
-            convs: list[ConvUpdate | None] | None = None) -> list[torch.Tensor]:
-    """x through each of `readers` (into `outs[i]` where given, with the conv update `convs[i]` where given, as
-    `PackedLinear.__call__`). In a one-token step, consecutive readers that both take the integer GEMV's batch
-    route share one launch (`quant_linear_gemv_pair`): neither waits for the other to finish, and the results have
-    the bits of separate calls. With more tokens the pair's kernel holds the registers of the larger of its two
-    (27B q|k and v|z at 8 tokens: 202 against 168 for v|z alone), which measured slower than two launches
-    (docs/performance.md)."""
+            outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """x through each of `readers` (into `outs[i]` where given, as `PackedLinear.__call__`). In a one-token step,
+    consecutive readers that both take the integer GEMV's batch route share one launch (`quant_linear_gemv_pair`):
+    neither waits for the other to finish, and the results have the bits of separate calls. With more tokens the
+    pair's kernel holds the registers of the larger of its two (27B q|k and v|z at 8 tokens: 202 against 168 for
+    v|z alone), which measured slower than two launches (docs/performance.md)."""
     outs = outs or [None] * len(readers)
-    convs = convs or [None] * len(readers)
     results: list[torch.Tensor] = []
     i = 0
     while i < len(readers):
@@ -82,11 +78,11 @@ def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
             targets = [out if out is not None else
                        torch.empty((x.shape[0], r.shape[0]), dtype=out_dtype or x.source.dtype, device=x.blocks.device)
                        for r, out in zip(pair, outs[i : i + 2], strict=True)]
-            results += quant_linear_gemv_pair(x, *((r.data, r.shape, r.format, t, conv)
-                                                   for r, t, conv in zip(pair, targets, convs[i : i + 2], strict=True)))
+            results += quant_linear_gemv_pair(x, *((r.data, r.shape, r.format, t)
+                                                   for r, t in zip(pair, targets, strict=True)))
             i += 2
         else:
-            results.append(readers[i](x, out_dtype=out_dtype, out=outs[i], conv=convs[i]))
+            results.append(readers[i](x, out_dtype=out_dtype, out=outs[i]))
             i += 1
     return results
 
@@ -141,17 +137,14 @@ class PackedLinear:
         return tensor.numel() * tensor.element_size()
 
     def __call__(self, x: torch.Tensor | Int8Activations, out_dtype: torch.dtype | None = None,
-                 out: torch.Tensor | None = None, conv: ConvUpdate | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """x `[T, K]` (or its `shared_input`) → `[T, N]` in `out_dtype` (default x's dtype). With `out` (a `[T, N]`
         view with unit column stride: columns of a buffer that several products fill) the result goes there —
-        written by the integer GEMV itself, copied from the other routes. `conv`: the GDN conv update in the
-        integer GEMV's epilogue (only where `batch_route` and x is `Int8Activations`)."""
+        written by the integer GEMV itself, copied from the other routes."""
         source = _source(x)
         out_dtype = out.dtype if out is not None else out_dtype or source.dtype
         if isinstance(x, Int8Activations) and self.groupwise:
-            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out, conv=conv)
-        if conv is not None:
-            raise ValueError("a conv update needs the integer GEMV (int8 activations and a groupwise format)")
+            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out)
         result = self._product(source, out_dtype)
         return result if out is None else out.copy_(result)
 

@@ -37,7 +37,7 @@ from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
-from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, ConvUpdate, conv1d_update, gated_delta_decode
+from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs
@@ -435,14 +435,7 @@ class FastQwen35:
         # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view (no concatenation)
         projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
         source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
-        index = self.cache.gdn_index[layer]
-        conv_weight, conv_state = self.vectors[prefix + "convolution"], self.cache.conv[index]
-        # a decode step (one token per sequence): the GEMVs do the conv update in their epilogue (one launch fewer)
-        in_gemv = tokens == 1 and snapshots is None and isinstance(source, Int8Activations) \
-            and query_key.batch_route and value_z.batch_route and conv_state.dtype == projected.dtype
-        convs = [ConvUpdate(conv_weight, conv_state, slots, 0, key_columns),
-                 ConvUpdate(conv_weight, conv_state, slots, key_columns, value_rows)] if in_gemv else None
-        project(source, [query_key, value_z], [projected[:, :key_columns], projected[:, key_columns:]], convs=convs)
+        project(source, [query_key, value_z], [projected[:, :key_columns], projected[:, key_columns:]])
         if a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K and h.shape[0] <= MAX_GEMV_TOKENS:
             # a dense a/b projection: for one row in the delta-rule kernel, which reads the head's two rows itself
             # (one launch fewer); for more rows (where the kernel's programs would read them once per column tile)
@@ -451,9 +444,9 @@ class FastQwen35:
             a_b = (x, a_b.weight) if x.shape[0] == 1 else dense_linear_gemv(x, a_b.weight, self.dtype, pairwise=True)
         else:
             a_b = a_b(source)
-        mixed = projected[:, : key_columns + value_rows]
-        if not in_gemv:
-            mixed = conv1d_update(mixed, conv_weight, conv_state, slots, tokens=tokens, snapshot_slots=snapshots)
+        index = self.cache.gdn_index[layer]
+        mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
+                              self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)
         o = gated_delta_decode(mixed, projected[:, key_columns + value_rows :], a_b, self.vectors[prefix + "a_log"],
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,

@@ -18,8 +18,6 @@ within a call: two rows on one slot race. Under TRITON_INTERPRET=1 they run on t
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -47,81 +45,7 @@ NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
 AB_IN_KERNEL_MAX_K = 8192
 
 
-class ConvUpdate(NamedTuple):
-    """`conv1d_update` of a decode step (one new token per sequence) done by the integer GEMV that makes the conv's
-    input, in its epilogue (`ninfer.kernels.quant_linear.quant_linear_gemv(conv=…)`): output column j < `columns` of
-    the product is conv channel `channel + j`, and product row b is sequence b's new input, its window in
-    `state[slots[b]]`. The GEMV writes silu(conv) in place of those columns (the bits of `conv1d_update`) and shifts
-    the windows; the other columns pass through. A program owns its columns: no window is read after another
-    program wrote it, so nothing else orders them.
-
-    Shapes: weight `[C, K]` (any float dtype), state `[S, C, K-1]` in the product's output dtype (any strides),
-    slots `[B]` int32/int64 (distinct, in [0, S): not checked), on the product's device."""
-
-    weight: Tensor
-    state: Tensor
-    slots: Tensor
-    channel: int
-    columns: int
-
-    def check(self, rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Refuse a conv update that does not fit a `[rows, columns]` product in `dtype` on `device`."""
-        channels, taps = self.weight.shape if self.weight.dim() == 2 else (0, 0)
-        if taps < 2 or self.state.dim() != 3 or self.state.shape[1:] != (channels, taps - 1):
-            raise ValueError(f"conv update: weight must be [C, K ≥ 2] and state [S, C, K-1], got "
-                             f"{list(self.weight.shape)} and {list(self.state.shape)}")
-        if self.state.dtype != dtype:
-            raise ValueError(f"conv update: the state must be in the product's dtype {dtype}, got {self.state.dtype}")
-        if not 0 < self.columns <= columns or not 0 <= self.channel <= channels - self.columns:
-            raise ValueError(f"conv update: columns {self.columns} from channel {self.channel} do not fit a product of "
-                             f"{columns} columns and a conv of {channels} channels")
-        _check_slots("conv update", self.slots, rows, device)
-        if self.weight.device != device or self.state.device != device:
-            raise ValueError(f"conv update: weight and state must be on {device}")
-
-
 if triton is not None:
-
-    @triton.jit
-    def _tap(values, j: tl.constexpr):
-        """values[..., j] of a tensor whose last axis holds taps (exact: one value, the rest zeros, summed)."""
-        taps = tl.arange(0, values.shape[-1])
-        return tl.sum(tl.where(taps == j, values.to(tl.float32), 0.0), axis=len(values.shape) - 1)
-
-    @triton.jit
-    def conv_window_load(window, weights, ok, stride_w_k, stride_s_k, K: tl.constexpr):
-        """The conv windows and weights of a tile of (sequence, channel) elements: `window` points at column 0 of
-        each element's window in the pool, `weights` at w[c, 0] of its channel (pointer tensors of one shape S,
-        masked by `ok`). Returns (past `[*S, KP]`: the K - 1 inputs, oldest first, in the pool's dtype; w `[*S, KW]`
-        fp32), KP and KW the powers of 2 ≥ K - 1 and K (the taps past them are zero)."""
-        past_taps = tl.arange(0, triton.next_power_of_2(K - 1))
-        weight_taps = tl.arange(0, triton.next_power_of_2(K))
-        past = tl.load(tl.expand_dims(window, len(window.shape)) + past_taps * stride_s_k,
-                       mask=tl.expand_dims(ok, len(ok.shape)) & (past_taps < K - 1), other=0.0)
-        w = tl.load(tl.expand_dims(weights, len(weights.shape)) + weight_taps * stride_w_k,
-                    mask=tl.expand_dims(ok, len(ok.shape)) & (weight_taps < K), other=0.0).to(tl.float32)
-        return past, w
-
-    @triton.jit
-    def conv_window_step(x, past, w, K: tl.constexpr):
-        """One causal-conv step of a tile (`conv_window_load`'s past and w; x the new inputs in the pool's dtype).
-        Returns (silu(w_{K-1} · x + Σ_j w_j · past_j) in fp32 — one product, then an fma per tap in tap order, so
-        its bits are the same in every kernel that calls it —, the window after x: past shifted one tap, x last)."""
-        acc = _tap(w, K - 1) * x.to(tl.float32)
-        for j in tl.static_range(K - 1):
-            acc = tl.fma(_tap(w, j), _tap(past, j), acc)
-        taps = tl.arange(0, past.shape[-1])
-        shifted = tl.expand_dims(x, len(x.shape)).to(past.dtype) + tl.zeros_like(past)
-        for j in tl.static_range(K - 2):
-            shifted = tl.where(taps == j, tl.expand_dims(_tap(past, j + 1), len(x.shape)).to(past.dtype), shifted)
-        return acc * tl.sigmoid(acc), shifted
-
-    @triton.jit
-    def conv_window_store(window, values, ok, stride_s_k, K: tl.constexpr):
-        """Store a tile's windows `values` `[*S, KP]` (its K - 1 taps) at `window` (as `conv_window_load`'s)."""
-        taps = tl.arange(0, values.shape[-1])
-        tl.store(tl.expand_dims(window, len(window.shape)) + taps * stride_s_k, values,
-                 mask=tl.expand_dims(ok, len(ok.shape)) & (taps < K - 1))
 
     @triton.jit
     def _conv1d_update_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, T,
@@ -134,16 +58,25 @@ if triton is not None:
         slot = tl.load(slot_ptr + sequence).to(tl.int64)
         window = state_ptr + slot * stride_s_slot + cols * stride_s_c  # column j: the input j - (K-1) steps back
         weights = weight_ptr + cols * stride_w_c
-        past, w = conv_window_load(window, weights, ok, stride_w_k, stride_s_k, K)
-        for t in range(T):  # the window carried in registers from token to token
+        for t in range(T):
             row = sequence * T + t
             x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-            out, past = conv_window_step(x.to(past.dtype), past, w, K)
+            acc = tl.load(weights + (K - 1) * stride_w_k, mask=ok, other=0.0).to(tl.float32) * x.to(tl.float32)
+            for j in tl.static_range(K - 1):
+                past = tl.load(window + j * stride_s_k, mask=ok, other=0.0)
+                acc += tl.load(weights + j * stride_w_k, mask=ok, other=0.0).to(tl.float32) * past.to(tl.float32)
+                if j > 0:  # shift left: column j moves to j - 1 (column j - 1 was read in the previous step)
+                    tl.store(window + (j - 1) * stride_s_k, past, mask=ok)
+                    if SNAPSHOTS:
+                        snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
+                        tl.store(state_ptr + snapshot * stride_s_slot + cols * stride_s_c + (j - 1) * stride_s_k,
+                                 past, mask=ok)
+            tl.store(window + (K - 2) * stride_s_k, x, mask=ok)
             if SNAPSHOTS:
                 snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
-                conv_window_store(state_ptr + snapshot * stride_s_slot + cols * stride_s_c, past, ok, stride_s_k, K)
+                tl.store(state_ptr + snapshot * stride_s_slot + cols * stride_s_c + (K - 2) * stride_s_k, x, mask=ok)
+            out = acc * tl.sigmoid(acc)
             tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
-        conv_window_store(window, past, ok, stride_s_k, K)
 
     @triton.jit
     def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr,

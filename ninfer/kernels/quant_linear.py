@@ -47,7 +47,6 @@ from ninfer.kernels.activation_quant import (
     quantize_activations_reference,
 )
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
-from ninfer.kernels.gdn_decode import ConvUpdate
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
 
@@ -56,9 +55,6 @@ try:  # Triton is optional: the CPU path never needs it
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
-
-if triton is not None:
-    from ninfer.kernels.gdn_decode import conv_window_load, conv_window_step, conv_window_store
 
 MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the per-token routes
 # the batch route (`_gemv_batch_kernel`): a program holds up to BATCH_TOKENS tokens and a few rows (`batch_block_n`),
@@ -318,31 +314,23 @@ if triton is not None:
 
     @triton.jit
     def _gemv_batch_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad,
-                           row_words, high_row_words, gpr, stride_out, bias, conv_w_ptr, conv_state_ptr, conv_slot_ptr,
-                           conv_columns, conv_channel, stride_cw_c, stride_cw_k, stride_cs_slot, stride_cs_c,
-                           stride_cs_k, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                           DEPTH: tl.constexpr, UNROLL: tl.constexpr, CONV_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                           row_words, high_row_words, gpr, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
+                           BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for one matrix (`_batch_program`)."""
         _batch_program(tl.program_id(0), x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad,
-                       row_words, high_row_words, gpr, x_block_count, stride_out, bias, conv_w_ptr, conv_state_ptr,
-                       conv_slot_ptr, conv_columns, conv_channel, stride_cw_c, stride_cw_k, stride_cs_slot,
-                       stride_cs_c, stride_cs_k, BITS, GROUP, BLOCK_N, BLOCK_K, BLOCK_T, DEPTH, UNROLL, CONV_K, ASM,
-                       PDL)
+                       row_words, high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
+                       BLOCK_T, DEPTH, UNROLL, ASM, PDL)
 
     @triton.jit
     def _gemv_batch_pair_kernel(x_blocks_ptr, T, x_block_count, programs,
                                 base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad, row_words, high_row_words, gpr,
-                                stride_out, bias, conv_w_ptr, conv_state_ptr, conv_slot_ptr, conv_columns,
-                                conv_channel, stride_cw_c, stride_cw_k, stride_cs_slot, stride_cs_c, stride_cs_k,
+                                stride_out, bias,
                                 base2_ptr, high2_ptr, scale2_ptr, out2_ptr, N2, k_pad2, row_words2, high_row_words2,
-                                gpr2, stride_out2, bias2, conv_w2_ptr, conv_state2_ptr, conv_slot2_ptr, conv_columns2,
-                                conv_channel2, stride_cw_c2, stride_cw_k2, stride_cs_slot2, stride_cs_c2,
-                                stride_cs_k2,
+                                gpr2, stride_out2, bias2,
                                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
-                                UNROLL: tl.constexpr, CONV_K: tl.constexpr, BITS2: tl.constexpr,
-                                GROUP2: tl.constexpr, BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr,
-                                UNROLL2: tl.constexpr, CONV_K2: tl.constexpr,
+                                UNROLL: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
+                                BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr,
                                 BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for two matrices that read the same x, in one launch: the first `programs` programs are
         the first matrix's, the rest the second's, each exactly a program of `_gemv_batch_kernel` (the same bits).
@@ -351,34 +339,25 @@ if triton is not None:
         program = tl.program_id(0)
         if program < programs:
             _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                           high_row_words, gpr, x_block_count, stride_out, bias, conv_w_ptr, conv_state_ptr,
-                           conv_slot_ptr, conv_columns, conv_channel, stride_cw_c, stride_cw_k, stride_cs_slot,
-                           stride_cs_c, stride_cs_k, BITS, GROUP, BLOCK_N, BLOCK_K, BLOCK_T, DEPTH, UNROLL, CONV_K,
-                           ASM, PDL)
+                           high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
+                           BLOCK_T, DEPTH, UNROLL, ASM, PDL)
         else:
             _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
-                           k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, conv_w2_ptr,
-                           conv_state2_ptr, conv_slot2_ptr, conv_columns2, conv_channel2, stride_cw_c2, stride_cw_k2,
-                           stride_cs_slot2, stride_cs_c2, stride_cs_k2, BITS2, GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T,
-                           DEPTH2, UNROLL2, CONV_K2, ASM, PDL)
+                           k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
+                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, ASM, PDL)
 
     @triton.jit
     def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                       high_row_words, gpr, x_block_count, stride_out, bias, conv_w_ptr, conv_state_ptr, conv_slot_ptr,
-                       conv_columns, conv_channel, stride_cw_c, stride_cw_k, stride_cs_slot, stride_cs_c, stride_cs_k,
-                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_T: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr, CONV_K: tl.constexpr,
-                       ASM: tl.constexpr, PDL: tl.constexpr):
+                       high_row_words, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DEPTH: tl.constexpr,
+                       UNROLL: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """Program `program` of the batch route: BLOCK_T tokens × BLOCK_N rows. Every tensor is block-major
         ([BLOCKS, …, 4] with the 4 words of a block's units last), and Triton's layout then puts the blocks across
         the warp's lanes and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
         `[BLOCKS, 1, BN, 4]` broadcast in place (checked with `scripts/compile_kernels.py --resources`: no shared
         memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp). DEPTH (1 or 2) weight
         tiles are loaded ahead, kept as loaded until used; the K loop is unrolled UNROLL times (2: the tile loaded
-        ahead lands in the registers it is used from, where a loop-carried copy would wait for the load).
-        With CONV_K > 0 the first `conv_columns` output columns are channels conv_channel + column of a causal conv
-        of CONV_K taps, token t being sequence t's one new input (`ConvUpdate`): the program shifts their windows
-        and writes silu(conv) in place of the product (`conv_window_step`, the bits of `conv1d_update`)."""
+        ahead lands in the registers it is used from, where a loop-carried copy would wait for the load)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         rows, row_ok, safe_rows, tokens = _row_and_token_tiles(program, N, T, BLOCK_N, BLOCK_T)
@@ -396,13 +375,6 @@ if triton is not None:
             words2, high2, w_scale2 = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(BLOCK_K, k_last),
                                                    row_words, high_row_words, gpr, BITS, GROUP, BLOCK_K, ASM)
         wait_for_inputs(PDL)  # the first weight tiles stream while the kernel before this one finishes
-        if CONV_K > 0:  # the conv columns' windows (written by earlier kernels) arrive during the K loop
-            conv_ok = (tokens < T)[:, None] & (row_ok & (rows < conv_columns))[None, :]
-            conv_slots = tl.load(conv_slot_ptr + x_rows).to(tl.int64)
-            channels = conv_channel + tl.minimum(rows, conv_columns - 1).to(tl.int64)
-            window = conv_state_ptr + conv_slots[:, None] * stride_cs_slot + channels[None, :] * stride_cs_c
-            taps = conv_w_ptr + channels[None, :] * stride_cw_c + 0 * conv_slots[:, None]
-            past, conv_w = conv_window_load(window, taps, conv_ok, stride_cw_k, stride_cs_k, CONV_K)
         for k0 in tl.range(0, k_pad, BLOCK_K, loop_unroll_factor=UNROLL):
             # the tile DEPTH tiles ahead is loaded before this tile's arithmetic (past the end, the last tile again):
             # weight bytes in flight per warp, which bound the few-row, long-K matrices at one token
@@ -422,13 +394,8 @@ if triton is not None:
                 words2, high2, w_scale2 = next_tile
             else:
                 words, high, w_scale = next_tile
-        y = _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS)
-        if CONV_K > 0:  # the conv input is the product as stored (rounded to the output dtype)
-            conv_out, past = conv_window_step(y.to(out_ptr.dtype.element_ty), past, conv_w, CONV_K)
-            conv_window_store(window, past, conv_ok, stride_cs_k, CONV_K)
-            y = tl.where(conv_ok, conv_out, y)
         out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
-        tl.store(out, y, mask=(tokens < T)[:, None] & row_ok[None, :])
+        tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
 
     @triton.jit
     def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_words, gpr, BITS: tl.constexpr,
@@ -591,8 +558,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
                       num_warps: int | None = None, out: torch.Tensor | None = None,
                       route: str | None = None, block_t: int | None = None,
-                      depth: int | None = None, unroll: int | None = None,
-                      conv: ConvUpdate | None = None) -> torch.Tensor:
+                      depth: int | None = None, unroll: int | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
@@ -600,20 +566,16 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `route` ("token" or "batch"; default
     `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per
     program of the batch route (default BATCH_TOKENS); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
-    per turn of its loop, 1 or 2 each (default `batch_pipeline`). None of them changes a result's bits. `conv`
-    (batch route only): the GDN conv update done in the epilogue (`ConvUpdate`)."""
+    per turn of its loop, 1 or 2 each (default `batch_pipeline`). None of them changes a result's bits."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     acts = x if isinstance(x, Int8Activations) else quantize_activations(_checked_tokens(x, experts is None))
-    product = _Product(acts, data, shape, fmt, out, out_dtype, experts, expert_rows, conv)
+    product = _Product(acts, data, shape, fmt, out, out_dtype, experts, expert_rows)
     route = route or gemv_route(product.k_pad, experts is not None)
     if route not in ("token", "batch"):
         raise ValueError(f"unknown GEMV route {route!r}")
     if route != "token" and experts is not None:
         raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
-    if route != "batch" and conv is not None:
-        raise ValueError("a conv update takes the batch route (padded K a multiple of "
-                         f"{BATCH_BLOCK_K}), not the {route} route of K = {product.k_pad}")
     block_k = block_k or gemv_block_k(product.k_pad, route)
     if product.k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {product.k_pad}")
@@ -641,13 +603,12 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
 
 def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """Two integer GEMVs of the same input in one launch (`_gemv_batch_pair_kernel`): `first` and `second` are
-    (data, shape, fmt, out) or (data, shape, fmt, out, conv) with `out` a `[T, N]` view with unit column stride (or
-    None: fp32 results) and `conv` a `ConvUpdate` or None. Both matrices must take the batch route (`gemv_route`);
-    each result has the bits `quant_linear_gemv` gives it alone. Returns both results."""
+    (data, shape, fmt, out) with `out` a `[T, N]` view with unit column stride (or None: fp32 results). Both
+    matrices must take the batch route (`gemv_route`); each result has the bits `quant_linear_gemv` gives it
+    alone. Returns both results."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
-    products = [_Product(x, data, shape, fmt, out, None, None, 0, conv)
-                for data, shape, fmt, out, conv in ((*product, None)[:5] for product in (first, second))]
+    products = [_Product(x, data, shape, fmt, out, None, None, 0) for data, shape, fmt, out in (first, second)]
     if any(gemv_route(p.k_pad) != "batch" for p in products):
         raise ValueError("a GEMV pair takes two matrices of the batch route (padded K a multiple of "
                          f"{BATCH_BLOCK_K}), not K = {[p.k_pad for p in products]}")
@@ -671,7 +632,7 @@ class _Product:
 
     def __init__(self, acts: Int8Activations, data: torch.Tensor, shape: tuple[int, int], fmt: str,
                  out: torch.Tensor | None, out_dtype: torch.dtype | None, experts: torch.Tensor | None,
-                 expert_rows: int, conv: ConvUpdate | None = None):
+                 expert_rows: int):
         self.codec, self.base, self.high, self.scales, self.planes = _planes(data, shape, fmt)
         self.tokens = _checked_tokens(acts.source, experts is None).shape[0]
         self.n, k = shape if experts is None else (expert_rows, shape[1])
@@ -689,9 +650,6 @@ class _Product:
             raise ValueError(f"out must be a [{slots}, {self.n}] view with unit column stride on {data.device}, got "
                              f"{list(out.shape)} strides {out.stride()} on {out.device}")
         self.out = out
-        if conv is not None:
-            conv.check(slots, self.n, out.dtype, data.device)
-        self.conv = conv
         self.bias = 0 if self.codec.bits == 8 else 0x01010101 << (self.codec.bits - 1)  # the code offset per byte
         self.block_t = min(BATCH_TOKENS, triton.next_power_of_2(self.tokens))
 
@@ -707,21 +665,10 @@ class _Product:
             if len(self.planes) == 3 else (self.high, 0)
         programs = triton.cdiv(self.n, block_n) * triton.cdiv(self.tokens, block_t or self.block_t)
         args = (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
-                self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias,
-                *self._conv_args())
+                self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
         constants = {"BITS": bits, "GROUP": self.codec.group, "BLOCK_N": block_n, "DEPTH": depth or default_depth,
-                     "UNROLL": unroll or default_unroll,
-                     "CONV_K": 0 if self.conv is None else self.conv.weight.shape[1]}
+                     "UNROLL": unroll or default_unroll}
         return programs, args, constants
-
-    def _conv_args(self) -> tuple:
-        """The batch kernel's conv arguments: weight, state, slots, columns, channel and the five strides (the
-        output itself and zeros without a conv update, unused)."""
-        conv = self.conv
-        if conv is None:
-            return (self.out, self.out, self.out, 0, 0, 0, 0, 0, 0, 0)
-        return (conv.weight, conv.state, conv.slots, conv.columns, conv.channel, *conv.weight.stride(),
-                *conv.state.stride())
 
 
 def batch_pipeline(tokens: int, rows: int, k_pad: int, bits: int) -> tuple[int, int]:
