@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from ninfer.artifact.reader import Artifact
-from ninfer.fast import linear, runner
+from ninfer.fast import runner
 from ninfer.fast.cache import CacheFullError, MemoryPlanError, plan_memory
 from ninfer.fast.runner import FastQwen35
 from ninfer.kernels import quant_linear
@@ -391,22 +391,6 @@ def test_a_batch_wider_than_the_batch_routes_token_tile_gives_each_sequence_its_
         for step, tokens in enumerate(steps):
             assert torch.equal(fast.decode_batch([alone], tokens[i : i + 1])[0], batch[step][i]), f"{i}, {step}"
 
-
-def test_a_split_down_projection_gives_the_unsplit_logits_and_each_sequence_its_own_bits(monkeypatch):
-    """The MLP down projection with K split in parts (`gemv_k_splits`; on the 27B down only, here forced on the
-    demo model with 256-lane K tiles) whose sum the residual add + norm makes: a decode step's logits equal the
-    unsplit runner's up to the summation order (which can flip an int8 activation code: DECODE_TOLERANCE), and a
-    sequence decoded in a batch of 3 has the bits it has alone."""
-    monkeypatch.setattr(quant_linear, "BATCH_BLOCK_K", 256)
-    _, plain = _models(DENSE, max_sequences=3)
-    monkeypatch.setattr(linear, "gemv_k_splits", lambda rows, k_pad: 2)
-    _, split = _models(DENSE, max_sequences=3)
-    assert {name for name, m in split.linears.items() if m.k_splits == 2} >= {"layers/0/mlp/down"}
-    tokens = torch.tensor([3, 40, 77])
-    expected = plain.decode_batch([plain.new_state(4) for _ in range(3)], tokens)
-    got = split.decode_batch([split.new_state(4) for _ in range(3)], tokens)
-    assert _relative(got, expected) < DECODE_TOLERANCE and not torch.equal(got, expected)
-    assert torch.equal(split.decode_batch([split.new_state(4)], tokens[2:])[0], got[2])
 
 def test_snapshots_share_full_pages_by_reference_and_give_them_back(dense):
     _, fast = dense

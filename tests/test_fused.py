@@ -12,7 +12,6 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from ninfer.kernels.activation_quant import quantize_activations
-from ninfer.kernels.fixed_order import PartialSums
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.moe import route_top_k as route_top_k_reference
 from ninfer.kernels.norm import rms_norm
@@ -87,27 +86,6 @@ def test_add_rms_norm_gives_a_row_the_same_bits_in_every_decode_step_size():
         assert torch.equal(batched.source[:1], alone.source), f"{rows} rows"
         assert torch.equal(batched.blocks[:1], alone.blocks), f"{rows} rows"
 
-
-
-@pytest.mark.parametrize("parts", [2, 4])
-@pytest.mark.parametrize("rows", [1, 8, 70])
-def test_add_rms_norm_adds_partial_sums_in_their_fixed_order(parts, rows):
-    """A split GEMV's parts (`PartialSums`) go into the residual add as their fixed-tree sum rounded to the
-    activation dtype: the same bits as adding that sum made in torch (`total`), and not some other order."""
-    generator = torch.Generator().manual_seed(parts * 100 + rows)
-    width = 5120
-    x = (torch.randn(rows, width, generator=generator) * 4).to(DEVICE, DTYPE)
-    partial = PartialSums((torch.randn(parts, rows, width, generator=generator) * 3).to(DEVICE))
-    weight = (torch.randn(width, generator=generator) * 0.1).to(DEVICE, DTYPE)
-    expected_total, expected = add_rms_norm(x, partial.total().to(DTYPE), weight, 1e-6, quantize=True)
-    total, normed = add_rms_norm(x, partial, weight, 1e-6, quantize=True)
-    assert torch.equal(total, expected_total)
-    assert torch.equal(normed.source, expected.source) and torch.equal(normed.blocks, expected.blocks)
-    if parts == 4:  # another tree over the same parts gives other bits: the order is the kernel's, not any
-        regrouped = PartialSums(partial.parts[[0, 2, 1, 3]])
-        assert not torch.equal(add_rms_norm(x, regrouped, weight, 1e-6)[0], total)
-    with pytest.raises(ValueError, match="partial sums must be"):
-        add_rms_norm(x, PartialSums(partial.parts[:, :, :-1]), weight, 1e-6)
 
 def test_silu_mul_and_sigmoid_mul_equal_the_torch_ops():
     generator = torch.Generator().manual_seed(1)

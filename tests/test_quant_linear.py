@@ -19,10 +19,8 @@ from ninfer.kernels.activation_quant import (
     quantize_activations,
     quantize_activations_reference,
 )
-from ninfer.kernels.fixed_order import PartialSums
 from ninfer.kernels.quant_linear import (
     dequantize,
-    gemv_k_splits,
     group_pairs,
     quant_linear_gemv,
     quant_linear_gemv_pair,
@@ -148,35 +146,6 @@ def test_gemv_gives_a_token_the_same_bits_at_any_token_count(fmt, k):
     for tokens, block_n, block_t in ((11, None, None), (4, 16, 2), (2, 32, None), (11, 64, 4)):
         got = quant_linear_gemv(x[:tokens], data, (n, k), fmt, block_n=block_n, block_t=block_t)
         assert torch.equal(got, single[:tokens]), f"T={tokens}"
-
-
-@pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16"])
-@pytest.mark.parametrize("splits", [2, 4])
-def test_a_split_gemv_sums_each_k_range_apart_with_the_same_bits_at_any_token_count(fmt, splits):
-    """K cut into `splits` ranges of whole 1,024-lane tiles (5 tiles: 2 + 3, or 1 + 1 + 1 + 2): each part is x's
-    int8 image times that range of W (float64 oracle), their fixed-order total is the product, and a token's parts
-    are the same bits at any T and row tile (verify = decode)."""
-    n, k, tokens = 24, 5120, 6
-    data, generator = _matrix(fmt, n, k, splits)
-    x = torch.randn(tokens, k, generator=generator).to(DEVICE)
-    lanes = dequantize_activations(quantize_activations_reference(x))[:, :k].double()
-    weight = codec_for(fmt).decode(data, (n, k)).double()
-    got = quant_linear_gemv(x, data, (n, k), fmt, splits=splits)
-    assert isinstance(got, PartialSums) and got.parts.shape == (splits, tokens, n)
-    bounds = [s * 5 // splits * 1024 for s in range(splits + 1)]
-    for s in range(splits):
-        expected = (lanes[:, bounds[s] : bounds[s + 1]] @ weight[:, bounds[s] : bounds[s + 1]].T).float()
-        assert _relative(got.parts[s], expected) < RELATIVE_TOLERANCE, f"part {s}"
-    assert _relative(got.total(), (lanes @ weight.T).float()) < RELATIVE_TOLERANCE
-    for t in range(tokens):
-        alone = quant_linear_gemv(x[t : t + 1], data, (n, k), fmt, splits=splits, block_n=2)
-        assert torch.equal(alone.parts[:, 0], got.parts[:, t]), f"token {t}"
-    for bad in (3, 8):
-        with pytest.raises(ValueError, match="power of 2 up to the 5 K tiles"):
-            quant_linear_gemv(x, data, (n, k), fmt, splits=bad)
-    with pytest.raises(ValueError, match="split K takes the batch route"):
-        quant_linear_gemv(x, data, (n, k), fmt, splits=2, route="token")
-    assert gemv_k_splits(5120, 17408) == 4 and gemv_k_splits(34816, 5120) == 1 and gemv_k_splits(5120, 6144) == 1
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

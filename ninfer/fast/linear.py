@@ -22,14 +22,12 @@ import torch.nn.functional as F
 
 from ninfer.kernels.activation_quant import Int8Activations, quantize_activations
 from ninfer.kernels.dense_linear import dense_linear_gemv
-from ninfer.kernels.fixed_order import PartialSums
 from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
 from ninfer.kernels.fp8_linear import MAX_TOKENS as FP8_GEMV_TOKENS
 from ninfer.kernels.fp8_linear import fp8_block, fp8_linear_gemv, fp8_rows
 from ninfer.kernels.quant_linear import (
     MAX_GEMV_TOKENS,
     dequantize,
-    gemv_k_splits,
     gemv_route,
     quant_linear_gemv,
     quant_linear_gemv_pair,
@@ -124,10 +122,8 @@ class PackedLinear:
         self.groupwise = is_groupwise(fmt)
         self.packed = is_packed(fmt)
         # whether the integer GEMV takes this matrix on its batch route (any number of tokens)
-        k_pad = codec_for(fmt).groups_per_row(self.shape[1]) * codec_for(fmt).group if self.groupwise else 0
-        self.batch_route = self.groupwise and gemv_route(k_pad) == "batch"
-        # K ranges the integer GEMV sums apart where its consumer takes `PartialSums` (`__call__(partial=True)`)
-        self.k_splits = gemv_k_splits(self.shape[0], k_pad) if self.batch_route else 1
+        self.batch_route = self.groupwise and gemv_route(codec_for(fmt).groups_per_row(self.shape[1])
+                                                         * codec_for(fmt).group) == "batch"
         if self.packed:
             self.data = data
             self.weight = None
@@ -141,17 +137,14 @@ class PackedLinear:
         return tensor.numel() * tensor.element_size()
 
     def __call__(self, x: torch.Tensor | Int8Activations, out_dtype: torch.dtype | None = None,
-                 out: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor | PartialSums:
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """x `[T, K]` (or its `shared_input`) → `[T, N]` in `out_dtype` (default x's dtype). With `out` (a `[T, N]`
         view with unit column stride: columns of a buffer that several products fill) the result goes there —
-        written by the integer GEMV itself, copied from the other routes. With `partial` (a consumer that adds
-        `PartialSums` itself: `add_rms_norm`), a matrix with `k_splits` > 1 on the integer GEMV returns its parts."""
+        written by the integer GEMV itself, copied from the other routes."""
         source = _source(x)
         out_dtype = out.dtype if out is not None else out_dtype or source.dtype
         if isinstance(x, Int8Activations) and self.groupwise:
-            splits = self.k_splits if partial and out is None else 1
-            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out,
-                                     splits=splits)
+            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out)
         result = self._product(source, out_dtype)
         return result if out is None else out.copy_(result)
 

@@ -417,11 +417,11 @@ class FastQwen35:
                           tables: torch.Tensor) -> torch.Tensor:
         c, cache = self.config, self.cache
         q, gate, pools = self._attention_inputs(h, layer, positions, tables, self.int8_activations)
+        o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
+                                   max_length=cache.max_pages * cache.page)
         output = self.linears[f"layers/{layer}/attention/output"]
-        # the output gate (and the output projection's int8 records) applied by the kernel that writes the output
-        gated = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
-                                       max_length=cache.max_pages * cache.page, gate=gate,
-                                       quantize=self._quantizes_for(output, gate, self.int8_activations))
+        quantize = self._quantizes_for(output, gate, self.int8_activations)
+        gated = sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=quantize)
         return self._linear(output, gated, self.int8_activations)
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
@@ -461,10 +461,7 @@ class FastQwen35:
         if not c.moe:
             gate_up = self._linear(self.linears[prefix + "mlp/gate_up"], h, integer)
             down = self.linears[prefix + "mlp/down"]
-            activation = silu_mul(gate_up, self._quantizes_for(down, gate_up, integer))
-            if integer:  # its consumer, the residual add + norm, sums a split GEMV's parts itself
-                return down(self._input(activation, [down], integer), partial=True)
-            return self._linear(down, activation, integer)
+            return self._linear(down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer)), integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]

@@ -6,34 +6,9 @@ wider row gives the same bits as the narrower one (a zero adds exactly). Kernels
 tiles agree bit for bit, given the same summands: products from `tl.fma(w, x, 0)` (a product written into a sum
 would be fused into an FMA there and rounded once less). Used by the dense GEMV and the GDN's in-kernel a/b
 product (`dense_linear`, `gdn_decode`), which must agree bit for bit.
-
-`PartialSums`: a product carried as the sums of its K ranges, added by its consumer in the same tree.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
-
-import torch
-
-
-class PartialSums(NamedTuple):
-    """A product y `[T, N]` as the fp32 sums of consecutive K ranges `parts` `[S, T, N]` (S a power of 2, from a
-    split GEMV): y = the parts added in `pairwise_row_sum`'s tree (parts 2j and 2j + 1, then again), which its
-    consumer does in its own pass (`ninfer.kernels.fused.add_rms_norm`); `total` is that sum in torch."""
-
-    parts: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.parts.shape[1:]
-
-    def total(self) -> torch.Tensor:
-        parts = self.parts
-        while parts.shape[0] > 1:
-            parts = parts[0::2] + parts[1::2]
-        return parts[0]
-
 
 try:  # Triton is optional: the CPU path never needs it
     import triton

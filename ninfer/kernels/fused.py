@@ -4,8 +4,7 @@ several: a decode step of a 64-layer model runs a few hundred of them, so launch
   * `add_rms_norm(x, h, weight, eps)`: s = x + h rounded to x's dtype (the residual add), then the zero-centred
     RMSNorm of s exactly as `ninfer.kernels.norm.rms_norm` (fp32 inside, `x̂ · (1 + w)`, one rounding);
     returns (s, norm(s)). With h None it is only the norm. With `quantize`, norm(s) also comes as the int8
-    records of `ninfer.kernels.activation_quant` (for the decode step's integer GEMVs: no separate launch). h may
-    be a split GEMV's `PartialSums`, added up here (no launch for the sum).
+    records of `ninfer.kernels.activation_quant` (for the decode step's integer GEMVs: no separate launch).
   * `silu_mul(gate_up)`: silu(gate) · up of a `[B, 2I]` gate/up projection (gate first), in its dtype — the SwiGLU
     activation as `swiglu_mlp` computes it (silu rounded to the dtype, then the product rounded). With `quantize`,
     also the int8 records of the result (as `add_rms_norm`'s).
@@ -28,7 +27,6 @@ from torch import Tensor
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
-from ninfer.kernels.fixed_order import PartialSums
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -38,49 +36,34 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 if triton is not None:
     from ninfer.kernels.activation_quant import store_tile_records
-    from ninfer.kernels.fixed_order import pairwise_row_sum
 
 
 if triton is not None:
 
     @triton.jit
-    def _residual_input(h_ptr, row, stride_h, stride_part, d, ok, PARTS: tl.constexpr, dtype: tl.constexpr):
-        """Lanes d of row `row` of h: as stored, or (PARTS > 0) the sum of its PARTS fp32 parts (`PartialSums`:
-        part p at h_ptr + p · stride_part) in `pairwise_row_sum`'s tree, rounded to `dtype` as the GEMV would
-        have stored it."""
-        if PARTS == 0:
-            h = tl.load(h_ptr + row * stride_h + d, mask=ok, other=0.0)
-        else:
-            parts = tl.arange(0, PARTS)[None, :] * stride_part
-            h = pairwise_row_sum(tl.load(h_ptr + row * stride_h + d[:, None] + parts, mask=ok[:, None], other=0.0),
-                                 PARTS).to(dtype)
-        return h
-
-    @triton.jit
-    def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_part,
-                             stride_out, eps, record_count, HAS_H: tl.constexpr, PARTS: tl.constexpr,
-                             QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr, PDL: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_out,
+                             eps, record_count, HAS_H: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
+                             SLICE: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         # every program of a row reduces the whole row (the same bits in each), then writes its SLICE of lanes
         row = tl.program_id(0).to(tl.int64)
-        dtype = x_ptr.dtype.element_ty
         if SLICE != BLOCK:  # this program's lanes, loaded with the row (both loads in flight at once)
             d_slice = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
             ok_slice = d_slice < D
             x_slice = tl.load(x_ptr + row * stride_x + d_slice, mask=ok_slice, other=0.0)
             if HAS_H:
-                h_slice = _residual_input(h_ptr, row, stride_h, stride_part, d_slice, ok_slice, PARTS, dtype)
+                h_slice = tl.load(h_ptr + row * stride_h + d_slice, mask=ok_slice, other=0.0)
         d = tl.arange(0, BLOCK)
         ok = d < D
         x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
         if HAS_H:
-            x = (x + _residual_input(h_ptr, row, stride_h, stride_part, d, ok, PARTS, dtype)).to(dtype)
+            x = (x + tl.load(h_ptr + row * stride_h + d, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
         if SLICE != BLOCK:  # the slice's sum again (the same bits as in the row)
             d, ok, x = d_slice, ok_slice, x_slice
             if HAS_H:
-                x = (x + h_slice).to(dtype)
+                x = (x + h_slice).to(x_ptr.dtype.element_ty)
             xf = x.to(tl.float32)
         if HAS_H:
             tl.store(sum_ptr + row * D + d, x, mask=ok)
@@ -175,20 +158,12 @@ def _check(name: str, *tensors: Tensor) -> None:
                              f"strides {t.stride()}")
 
 
-def add_rms_norm(x: Tensor, h: Tensor | PartialSums | None, weight: Tensor, eps: float,
+def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
                  quantize: bool = False) -> tuple[Tensor, Tensor | Int8Activations]:
-    """(s, rms_norm(s)) with s = x + h (or s = x when h is None); see the module docstring. h may come as the
-    `PartialSums` of a split GEMV (`[S, B, D]` fp32 parts, contiguous): their fixed-order sum, rounded to x's dtype,
-    is added (the bits of adding the GEMV's unsplit output would differ: its K sums run in another order). With
-    `quantize`, the norm comes as `Int8Activations` (its int8 records made in the same pass, equal to
-    `quantize_activations`'s)."""
-    parts = h.parts if isinstance(h, PartialSums) else None
-    _check("add_rms_norm", x, *([h] if h is not None and parts is None else []))
+    """(s, rms_norm(s)) with s = x + h (or s = x when h is None); see the module docstring. With `quantize`, the
+    norm comes as `Int8Activations` (its int8 records made in the same pass, equal to `quantize_activations`'s)."""
+    _check("add_rms_norm", x, *([h] if h is not None else []))
     rows, width = x.shape
-    if parts is not None and (parts.shape[1:] != x.shape or parts.dtype != torch.float32 or not parts.is_contiguous()
-                              or parts.shape[0] & (parts.shape[0] - 1)):
-        raise ValueError(f"add_rms_norm: partial sums must be contiguous fp32 [S, {rows}, {width}] with S a power of "
-                         f"2, got {list(parts.shape)} {parts.dtype}")
     total = torch.empty((rows, width), dtype=x.dtype, device=x.device) if h is not None else x
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     records = empty_records(rows, width, x.device) if quantize else out
@@ -197,12 +172,11 @@ def add_rms_norm(x: Tensor, h: Tensor | PartialSums | None, weight: Tensor, eps:
     # row itself (one launch, no second pass); many rows (prefill): a program per row
     split = rows <= NORM_SPLIT_ROWS and block > ELEMENTWISE_BLOCK
     slice_ = ELEMENTWISE_BLOCK if split else block
-    source = parts if parts is not None else h if h is not None else x
     _add_rms_norm_kernel[(rows, triton.cdiv(width, slice_))](  # slices are whole 128-lane units: padding covered
-        x, source, weight, total, out, records, width, x.stride(0), source.stride(-2) if h is not None else 0,
-        parts.stride(0) if parts is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
-        HAS_H=h is not None, PARTS=parts.shape[0] if parts is not None else 0, QUANTIZE=quantize, BLOCK=block,
-        SLICE=slice_, num_warps=8 if split else max(1, min(16, block // 256)), **pdl_options(x.device))
+        x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
+        h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
+        HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
+        num_warps=8 if split else max(1, min(16, block // 256)), **pdl_options(x.device))
     return total, Int8Activations(out, records) if quantize else out
 
 

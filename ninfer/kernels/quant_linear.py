@@ -47,7 +47,6 @@ from ninfer.kernels.activation_quant import (
     quantize_activations_reference,
 )
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
-from ninfer.kernels.fixed_order import PartialSums
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
 
@@ -67,14 +66,6 @@ BATCH_BLOCK_K = 1024
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
 ASM = not INTERPRETED and torch.version.hip is None
-
-
-def gemv_k_splits(rows: int, k_pad: int) -> int:
-    """The K splits of a matrix on the batch route: 4 for few rows and a long K (the 27B MLP down projection:
-    5,120 rows, 17 tiles of 1,024 lanes), whose 2,560 two-row programs at one token keep too few weight bytes in
-    flight, and whose 8-token programs fill too few waves; 1 elsewhere. Measured on the H200 with
-    `scripts/device/split_k_proxy.py` (docs/performance.md). A matrix's splits never depend on T."""
-    return 4 if rows <= 8192 and k_pad >= 16 * BATCH_BLOCK_K else 1
 
 
 def quant_linear_reference(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int], fmt: str,
@@ -274,16 +265,14 @@ if triton is not None:
         return (dots + (0x4B400000 - OFFSET * x_sum)).to(tl.float32, bitcast=True) - 12582912.0
 
     @triton.jit
-    def _row_and_token_tiles(program, N, T, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLITS: tl.constexpr):
-        """A GEMV program's rows, K split and tokens: program = (row tile · SPLITS + split) · token tiles + token
-        tile, so the token tiles of one row tile and split run side by side and the ones after the first read its
-        weights from L2. Returns (rows, row_ok, safe_rows clamped into [0, N) for unmasked, vectorisable loads,
-        split, tokens)."""
+    def _row_and_token_tiles(program, N, T, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+        """A GEMV program's rows and tokens: program = row tile · token tiles + token tile, so the token tiles of one
+        row tile run side by side and the ones after the first read its weights from L2. Returns (rows, row_ok,
+        safe_rows clamped into [0, N) for unmasked, vectorisable loads, tokens)."""
         token_tiles = tl.cdiv(T, BLOCK_T)
-        rows, row_ok, safe_rows = row_tile(program // (token_tiles * SPLITS), N, BLOCK_N)
-        split = program // token_tiles % SPLITS
+        rows, row_ok, safe_rows = row_tile(program // token_tiles, N, BLOCK_N)
         tokens = (program % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
-        return rows, row_ok, safe_rows, split, tokens
+        return rows, row_ok, safe_rows, tokens
 
     @triton.jit
     def _gemv_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
@@ -325,25 +314,23 @@ if triton is not None:
 
     @triton.jit
     def _gemv_batch_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad,
-                           row_words, high_row_words, gpr, stride_out, bias, stride_split, BITS: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr,
-                           SPLITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr,
-                           PDL: tl.constexpr):
+                           row_words, high_row_words, gpr, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
+                           BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for one matrix (`_batch_program`)."""
         _batch_program(tl.program_id(0), x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad,
-                       row_words, high_row_words, gpr, x_block_count, stride_out, bias, stride_split, BITS, GROUP,
-                       BLOCK_N, BLOCK_K, BLOCK_T, DEPTH, UNROLL, SPLITS, ASM, PDL)
+                       row_words, high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
+                       BLOCK_T, DEPTH, UNROLL, ASM, PDL)
 
     @triton.jit
     def _gemv_batch_pair_kernel(x_blocks_ptr, T, x_block_count, programs,
                                 base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad, row_words, high_row_words, gpr,
-                                stride_out, bias, stride_split,
+                                stride_out, bias,
                                 base2_ptr, high2_ptr, scale2_ptr, out2_ptr, N2, k_pad2, row_words2, high_row_words2,
-                                gpr2, stride_out2, bias2, stride_split2,
+                                gpr2, stride_out2, bias2,
                                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
-                                UNROLL: tl.constexpr, SPLITS: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
+                                UNROLL: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
                                 BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr,
-                                SPLITS2: tl.constexpr,
                                 BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for two matrices that read the same x, in one launch: the first `programs` programs are
         the first matrix's, the rest the second's, each exactly a program of `_gemv_batch_kernel` (the same bits).
@@ -352,34 +339,28 @@ if triton is not None:
         program = tl.program_id(0)
         if program < programs:
             _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                           high_row_words, gpr, x_block_count, stride_out, bias, stride_split, BITS, GROUP, BLOCK_N,
-                           BLOCK_K, BLOCK_T, DEPTH, UNROLL, SPLITS, ASM, PDL)
+                           high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
+                           BLOCK_T, DEPTH, UNROLL, ASM, PDL)
         else:
             _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
-                           k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, stride_split2,
-                           BITS2, GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, SPLITS2, ASM, PDL)
+                           k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
+                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, ASM, PDL)
 
     @triton.jit
     def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                       high_row_words, gpr, x_block_count, stride_out, bias, stride_split, BITS: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                       DEPTH: tl.constexpr, UNROLL: tl.constexpr, SPLITS: tl.constexpr, ASM: tl.constexpr,
-                       PDL: tl.constexpr):
+                       high_row_words, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DEPTH: tl.constexpr,
+                       UNROLL: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """Program `program` of the batch route: BLOCK_T tokens × BLOCK_N rows. Every tensor is block-major
         ([BLOCKS, …, 4] with the 4 words of a block's units last), and Triton's layout then puts the blocks across
         the warp's lanes and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
         `[BLOCKS, 1, BN, 4]` broadcast in place (checked with `scripts/compile_kernels.py --resources`: no shared
         memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp). DEPTH (1 or 2) weight
         tiles are loaded ahead, kept as loaded until used; the K loop is unrolled UNROLL times (2: the tile loaded
-        ahead lands in the registers it is used from, where a loop-carried copy would wait for the load).
-        With SPLITS > 1 the program sums K tiles [s·tiles / SPLITS, (s + 1)·tiles / SPLITS) of its split s and
-        stores that part at out_ptr + s · stride_split (`PartialSums`)."""
+        ahead lands in the registers it is used from, where a loop-carried copy would wait for the load)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-        rows, row_ok, safe_rows, split, tokens = _row_and_token_tiles(program, N, T, BLOCK_N, BLOCK_T, SPLITS)
-        tiles = k_pad // BLOCK_K
-        k_first = tl.multiple_of(split * tiles // SPLITS * BLOCK_K, BLOCK_K)
-        k_end = tl.multiple_of((split + 1) * tiles // SPLITS * BLOCK_K, BLOCK_K)
+        rows, row_ok, safe_rows, tokens = _row_and_token_tiles(program, N, T, BLOCK_N, BLOCK_T)
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
         blocks = tl.arange(0, BLOCKS)[:, None, None, None]
         word = tl.arange(0, 4)[None, None, None, :]
@@ -387,15 +368,14 @@ if triton is not None:
         x_record = x_blocks_ptr + (x_rows[None, :, None, None] * x_block_count + blocks) * 12 + word
         w_rows = safe_rows[None, None, :, None]
         acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
-        k_last = tl.multiple_of(k_end - BLOCK_K, BLOCK_K)
-        words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k_first, row_words, high_row_words,
-                                            gpr, BITS, GROUP, BLOCK_K, ASM)
+        k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
+        words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, 0, row_words, high_row_words, gpr,
+                                            BITS, GROUP, BLOCK_K, ASM)
         if DEPTH == 2:  # a second tile in flight (the last tile again when there is one tile)
-            words2, high2, w_scale2 = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows,
-                                                   tl.minimum(k_first + BLOCK_K, k_last), row_words, high_row_words,
-                                                   gpr, BITS, GROUP, BLOCK_K, ASM)
+            words2, high2, w_scale2 = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(BLOCK_K, k_last),
+                                                   row_words, high_row_words, gpr, BITS, GROUP, BLOCK_K, ASM)
         wait_for_inputs(PDL)  # the first weight tiles stream while the kernel before this one finishes
-        for k0 in tl.range(k_first, k_end, BLOCK_K, loop_unroll_factor=UNROLL):
+        for k0 in tl.range(0, k_pad, BLOCK_K, loop_unroll_factor=UNROLL):
             # the tile DEPTH tiles ahead is loaded before this tile's arithmetic (past the end, the last tile again):
             # weight bytes in flight per warp, which bound the few-row, long-K matrices at one token
             next_tile = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, tl.minimum(k0 + DEPTH * BLOCK_K, k_last),
@@ -414,7 +394,7 @@ if triton is not None:
                 words2, high2, w_scale2 = next_tile
             else:
                 words, high, w_scale = next_tile
-        out = out_ptr + split * stride_split + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
+        out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
         tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
 
     @triton.jit
@@ -578,8 +558,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
                       num_warps: int | None = None, out: torch.Tensor | None = None,
                       route: str | None = None, block_t: int | None = None,
-                      depth: int | None = None, unroll: int | None = None,
-                      splits: int = 1) -> torch.Tensor | PartialSums:
+                      depth: int | None = None, unroll: int | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
@@ -587,21 +566,16 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `route` ("token" or "batch"; default
     `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per
     program of the batch route (default BATCH_TOKENS); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
-    per turn of its loop, 1 or 2 each (default `batch_pipeline`). None of them changes a result's bits. `splits`
-    (batch route; a power of 2 up to the K tiles): K cut into that many ranges, each summed by its own programs,
-    the result returned as their `PartialSums` (`out`, if given, `[splits, T, N]` fp32); its bits depend on the
-    splits, never on T (`gemv_k_splits` picks them per matrix)."""
+    per turn of its loop, 1 or 2 each (default `batch_pipeline`). None of them changes a result's bits."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     acts = x if isinstance(x, Int8Activations) else quantize_activations(_checked_tokens(x, experts is None))
-    product = _Product(acts, data, shape, fmt, out, out_dtype, experts, expert_rows, splits)
+    product = _Product(acts, data, shape, fmt, out, out_dtype, experts, expert_rows)
     route = route or gemv_route(product.k_pad, experts is not None)
     if route not in ("token", "batch"):
         raise ValueError(f"unknown GEMV route {route!r}")
     if route != "token" and experts is not None:
         raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
-    if splits > 1 and (route != "batch" or block_k not in (None, BATCH_BLOCK_K)):
-        raise ValueError(f"a split K takes the batch route's {BATCH_BLOCK_K}-lane tiles")
     block_k = block_k or gemv_block_k(product.k_pad, route)
     if product.k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {product.k_pad}")
@@ -610,7 +584,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         _gemv_batch_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], *args, **constants,
                                         BLOCK_K=block_k, BLOCK_T=block_t or product.block_t, ASM=ASM,
                                         num_warps=num_warps or 1, **pdl_options(data.device))
-        return PartialSums(product.out) if splits > 1 else product.out
+        return product.out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     codec, planes, n, out = product.codec, product.planes, product.n, product.out
     default_n, default_warps = (256, 2) if INTERPRETED else (4, 2) if experts is not None else (2, 1)
@@ -658,7 +632,7 @@ class _Product:
 
     def __init__(self, acts: Int8Activations, data: torch.Tensor, shape: tuple[int, int], fmt: str,
                  out: torch.Tensor | None, out_dtype: torch.dtype | None, experts: torch.Tensor | None,
-                 expert_rows: int, splits: int = 1):
+                 expert_rows: int):
         self.codec, self.base, self.high, self.scales, self.planes = _planes(data, shape, fmt)
         self.tokens = _checked_tokens(acts.source, experts is None).shape[0]
         self.n, k = shape if experts is None else (expert_rows, shape[1])
@@ -670,17 +644,7 @@ class _Product:
             raise ValueError(f"the activation records cover {acts.blocks.shape[1] * 32} lanes, the matrix "
                              f"{self.k_pad}")
         slots = self.tokens if experts is None else experts.numel()
-        tiles = self.k_pad // BATCH_BLOCK_K
-        if splits < 1 or splits & (splits - 1) or (splits > 1 and not 1 <= splits <= tiles):
-            raise ValueError(f"splits must be a power of 2 up to the {tiles} K tiles, got {splits}")
-        self.splits = splits
-        if splits > 1:  # the parts: [splits, T, N] fp32
-            if out is None:
-                out = torch.empty((splits, slots, self.n), dtype=torch.float32, device=data.device)
-            elif out.shape != (splits, slots, self.n) or out.dtype != torch.float32 or not out.is_contiguous():
-                raise ValueError(f"out must be a contiguous [{splits}, {slots}, {self.n}] fp32 tensor for {splits} "
-                                 f"splits, got {list(out.shape)} {out.dtype}")
-        elif out is None:
+        if out is None:
             out = torch.empty((slots, self.n), dtype=out_dtype or torch.float32, device=data.device)
         elif out.shape != (slots, self.n) or out.stride(1) != 1 or out.device != data.device:
             raise ValueError(f"out must be a [{slots}, {self.n}] view with unit column stride on {data.device}, got "
@@ -695,18 +659,15 @@ class _Product:
         constants)."""
         bits = self.codec.bits
         block_n = block_n or (256 if INTERPRETED else batch_block_n(self.tokens, bits))
-        # a split product runs the programs of a [splits · N, K / splits] one
-        default_depth, default_unroll = batch_pipeline(self.tokens, self.n * self.splits, self.k_pad // self.splits,
-                                                       bits)
+        default_depth, default_unroll = batch_pipeline(self.tokens, self.n, self.k_pad, bits)
         # `_load_blocks` reads the high plane as int32 words and the scales as their fp16 bits
         high_words, high_row_words = (self.high.view(torch.int32), self.planes[1].row_bytes // 4) \
             if len(self.planes) == 3 else (self.high, 0)
-        programs = triton.cdiv(self.n, block_n) * self.splits * triton.cdiv(self.tokens, block_t or self.block_t)
-        split_stride, token_stride = self.out.stride()[:2] if self.splits > 1 else (0, self.out.stride(0))
+        programs = triton.cdiv(self.n, block_n) * triton.cdiv(self.tokens, block_t or self.block_t)
         args = (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
-                self.planes[0].row_bytes // 4, high_row_words, self.gpr, token_stride, self.bias, split_stride)
+                self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
         constants = {"BITS": bits, "GROUP": self.codec.group, "BLOCK_N": block_n, "DEPTH": depth or default_depth,
-                     "UNROLL": unroll or default_unroll, "SPLITS": self.splits}
+                     "UNROLL": unroll or default_unroll}
         return programs, args, constants
 
 
