@@ -14,15 +14,13 @@ import sys
 
 import torch
 import triton
+from device_timing import read_bandwidth, rotating_copies
 
 from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.quant_linear import gemv_route, quant_linear_gemv
 from ninfer.quant import codec_for
 
-buffer = torch.ones(1 << 28, device="cuda")
-bandwidth = buffer.numel() * 4 / (triton.testing.do_bench(buffer.sum, return_mode="median") / 1e3)
-del buffer
-print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
+bandwidth = read_bandwidth()
 SHAPES = [  # (name, N, K, fmt, experts gathered)
     ("27b mlp/gate_up", 34816, 5120, "q4_g64_fp16", 0),
     ("27b mlp/down", 5120, 17408, "q5_g64_fp16", 0),
@@ -58,7 +56,7 @@ for name, n, k, fmt, gathered in SHAPES:
     total_rows = n * 256 if gathered else n
     data = codec.encode(torch.randn(total_rows, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     read = codec.encoded_bytes((n, k)) * max(1, gathered)
-    copies = [data, *(data.clone() for _ in range(min(63, (256 << 20) // data.numel())))]
+    copies = rotating_copies(data)
     experts = torch.randperm(256, device="cuda")[:gathered].to(torch.int32) if gathered else None
     default_route = gemv_route(codec.groups_per_row(k) * codec.group, bool(gathered))
     if gathered:

@@ -13,6 +13,7 @@ import itertools
 import torch
 import triton
 import triton.language as tl
+from device_timing import read_bandwidth, rotating_copies
 
 from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.quant_linear import quant_linear_gemv
@@ -79,10 +80,7 @@ def spin_prefetch(spin_ns, data, shape, fmt, fraction, columns_first):
                                        num_warps=4)
 
 
-buffer = torch.ones(1 << 28, device="cuda")
-bandwidth = buffer.numel() * 4 / (triton.testing.do_bench(buffer.sum, return_mode="median") / 1e3)
-del buffer
-print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
+bandwidth = read_bandwidth()
 
 
 def timed(copies, acts, shape, fmt, spin_ns, fraction, columns_first):
@@ -110,7 +108,7 @@ for name, n, k, fmt, fractions in SHAPES:
     codec = codec_for(fmt)
     data = codec.encode(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     read = codec.encoded_bytes((n, k))
-    copies = [data, *(data.clone() for _ in range(min(63, (256 << 20) // data.numel())))]
+    copies = rotating_copies(data)
     acts = quantize_activations(torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
     expected = quant_linear_gemv(acts, data, (n, k), fmt)
     spin_prefetch(0, data, (n, k), fmt, 1.0, True)

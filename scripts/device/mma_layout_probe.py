@@ -21,6 +21,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from device_timing import read_bandwidth, rotating_copies
 
 from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.quant_linear import _exact_float, _planes, quant_linear_gemv, quant_linear_reference
@@ -130,16 +131,13 @@ def main() -> None:
         error = float((got - expected).norm() / expected.norm())
         print(f"check split={split}: relative error {error:.1e}", flush=True)
         assert error < 1e-5
-    buffer = torch.ones(1 << 28, device="cuda")
-    bandwidth = buffer.numel() * 4 / (triton.testing.do_bench(buffer.sum, return_mode="median") / 1e3)
-    del buffer
-    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
+    bandwidth = read_bandwidth()
     for name, n, k in (("27b mlp/gate_up", 34816, 5120), ("q4 at the down shape", 5120, 17408),
                        ("27b gdn/query_key", 4096, 5120)):
         shape = (n, k)
         data = codec.encode(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
         read = codec.encoded_bytes(shape)
-        copies = [data, *(data.clone() for _ in range(min(31, (256 << 20) // data.numel())))]
+        copies = rotating_copies(data, 31)
         repacked = [repack(c, shape) for c in copies]
         for tokens in token_counts:
             acts = quantize_activations(torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16))

@@ -9,15 +9,13 @@ import itertools
 
 import torch
 import triton
+from device_timing import read_bandwidth, rotating_copies
 
 from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.quant_linear import quant_linear_gemv
 from ninfer.quant import codec_for
 
-buffer = torch.ones(1 << 28, device="cuda")
-bandwidth = buffer.numel() * 4 / (triton.testing.do_bench(buffer.sum, return_mode="median") / 1e3)
-del buffer
-print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
+bandwidth = read_bandwidth()
 Q4, Q5 = "q4_g64_fp16", "q5_g64_fp16"
 SHAPES = [  # (name, N, K, fmt): the 27B matrix, then [S·N, K/S] stand-ins for S-way splits
     ("down", 5120, 17408, Q5), ("down/2", 10240, 8192, Q5), ("down/2b", 10240, 9216, Q5), ("down/4", 20480, 4096, Q5),
@@ -29,7 +27,7 @@ for name, n, k, fmt in SHAPES:
     codec = codec_for(fmt)
     data = codec.encode(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
     read = codec.encoded_bytes((n, k))
-    copies = [data, *(data.clone() for _ in range(min(63, (256 << 20) // data.numel())))]
+    copies = rotating_copies(data)
     for tokens in (1, 8):
         acts = quantize_activations(torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16))
         for block_n, depth in itertools.product((None, 2, 4), (None, 2)):

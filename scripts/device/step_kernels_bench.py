@@ -7,15 +7,13 @@ import functools
 
 import torch
 import triton
+from device_timing import read_bandwidth
 
 from ninfer.kernels import dense_linear, fused
 from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
 
-buffer = torch.ones(1 << 28, device="cuda")
-bandwidth = buffer.numel() * 4 / (triton.testing.do_bench(buffer.sum, return_mode="median") / 1e3)
-del buffer
-print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s")
+bandwidth = read_bandwidth()
 bf16 = dict(device="cuda", dtype=torch.bfloat16)
 
 
