@@ -61,6 +61,12 @@ def shared_input(x: torch.Tensor | Int8Activations, readers: list[PackedLinear])
 PAIRED_GEMV_TOKENS = 1
 
 
+def shares_launch(x: torch.Tensor | Int8Activations, first: PackedLinear, second: PackedLinear) -> bool:
+    """Whether `project` runs x through `first` and `second` in one launch (`quant_linear_gemv_pair`)."""
+    return isinstance(x, Int8Activations) and x.shape[0] <= PAIRED_GEMV_TOKENS and first.batch_route \
+        and second.batch_route
+
+
 def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
             outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """x through each of `readers` (into `outs[i]` where given, as `PackedLinear.__call__`). In a one-token step,
@@ -73,8 +79,7 @@ def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
     i = 0
     while i < len(readers):
         pair = readers[i : i + 2]
-        if len(pair) == 2 and isinstance(x, Int8Activations) and x.shape[0] <= PAIRED_GEMV_TOKENS \
-                and all(r.batch_route for r in pair):
+        if len(pair) == 2 and shares_launch(x, *pair):
             targets = [out if out is not None else
                        torch.empty((x.shape[0], r.shape[0]), dtype=out_dtype or x.source.dtype, device=x.blocks.device)
                        for r, out in zip(pair, outs[i : i + 2], strict=True)]
@@ -147,6 +152,13 @@ class PackedLinear:
             return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out)
         result = self._product(source, out_dtype)
         return result if out is None else out.copy_(result)
+
+    def uses_scratch(self, x: torch.Tensor | Int8Activations) -> bool:
+        """Whether x's product decodes W into the shared scratch buffer (then no other product that does may run
+        beside it: `Branches`)."""
+        if isinstance(x, Int8Activations) and self.groupwise:
+            return False
+        return self.packed and (self.groupwise or _source(x).shape[0] > FP8_GEMV_TOKENS)
 
     def _product(self, source: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if not self.packed:

@@ -20,6 +20,7 @@ docs/fast-path.md describes the whole path.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 
@@ -29,8 +30,9 @@ from tqdm import tqdm
 
 from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory, synchronize
+from ninfer.fast.branches import Branches
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
-from ninfer.fast.linear import PackedLinear, Scratch, is_packed, project, shared_input
+from ninfer.fast.linear import PackedLinear, Scratch, is_packed, project, shared_input, shares_launch
 from ninfer.kernels.activation_quant import Int8Activations
 from ninfer.kernels.attention import prefill_attention
 from ninfer.kernels.conv1d import causal_conv1d
@@ -38,6 +40,7 @@ from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
 from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, gated_delta_decode
+from ninfer.kernels.l2_prefetch import L2Prefetch, prefetch_to_l2
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs
@@ -60,6 +63,12 @@ SHORT_PREFILL_TOKENS = 0 if INTERPRETED else 16
 # 33: neither; 34: T · top_k only, for top_k 8)
 WARM_UP_LENGTHS = (32, 33, 34)
 MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the grouped MoE prefill
+# a one-row step whose independent work runs in a second graph branch (`Branches`) computes the GDN a/b
+# projection there, beside the input projections, rather than in the delta-rule launch
+AB_BESIDE_ONE_ROW = True
+# bytes of the next GEMV's first rows that a captured step streams into L2 in its second branch while the small
+# kernels before that GEMV run (`_prefetch`); 0: none
+L2_PREFETCH_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_MIB", "8")) * 2**20)
 
 
 def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
@@ -105,7 +114,9 @@ class FastQwen35:
         self.buckets = [b for b in DEFAULT_BUCKETS if b < self.max_batch] + [self.max_batch]
         self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefetches: dict[tuple[str, ...], L2Prefetch | None] = {}
         self.use_graphs = graphs and self.device.type == "cuda"
+        self.branches = Branches(self.device)  # independent work of a captured step runs as a second graph branch
 
     @property
     def kv_capacity(self) -> int:
@@ -345,12 +356,15 @@ class FastQwen35:
     def _decode(self, batch: int) -> torch.Tensor:
         """The decode step over the first `batch` rows of `self.inputs` (device tensors only: graph-capturable)."""
         ids, slots, lengths = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
-        positions = lengths - 1
-        tables = self.cache.block_tables.index_select(0, slots)
+        with self.branches.beside():  # first needed by the first attention layer (which joins)
+            positions = lengths - 1
+            tables = self.cache.block_tables.index_select(0, slots)
         x = self.linears["token_embedding"].rows(ids)
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
                          lambda h, i: self._gdn_decode(h, i, slots), self.int8_activations)
-        return self._linear(self.head, h, self.int8_activations, torch.float32)
+        logits = self._linear(self.head, h, self.int8_activations, torch.float32)
+        self.branches.join()  # the head's prefetch, or positions and tables unused by a model without attention
+        return logits
 
     def _linears(self, readers: list[PackedLinear], x: torch.Tensor, integer: bool,
                  out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
@@ -390,10 +404,37 @@ class FastQwen35:
         for i, kind in enumerate(c.layer_types):
             prefix = f"layers/{i}/"
             mixed = attention(h, i) if kind == FULL_ATTENTION else gdn(h, i)
+            self._prefetch([prefix + "mlp/gate_up"])
             x, h = add_rms_norm(x, mixed, self.vectors[prefix + "post_attention_norm"], c.rms_eps, quantize)
             following = f"layers/{i + 1}/input_norm" if i + 1 < c.layers else "final_norm"
-            x, h = add_rms_norm(x, self._mlp(h, prefix, integer), self.vectors[following], c.rms_eps, quantize)
+            mlp = self._mlp(h, prefix, integer)
+            self._prefetch(self._inputs_of(i + 1))
+            x, h = add_rms_norm(x, mlp, self.vectors[following], c.rms_eps, quantize)
         return h
+
+    def _inputs_of(self, layer: int) -> list[str]:
+        """The matrices that read layer `layer`'s normed input (the head's after the last layer)."""
+        c = self.config
+        if layer == c.layers:
+            return ["output_head" if "output_head" in self.linears else "token_embedding"]
+        if c.layer_types[layer] == FULL_ATTENTION:
+            return [f"layers/{layer}/attention/{n}" for n in ("query_key", "gate_value")]
+        return [f"layers/{layer}/gdn/{n}" for n in GDN_PROJECTIONS[:2]]
+
+    def _prefetch(self, names: list[str]) -> None:
+        """In a captured step, stream the first L2_PREFETCH_BYTES of the packed matrices `names` (those present)
+        into L2 in the step's second branch, from when the kernels launched so far have finished: the small kernels
+        launched next run meanwhile, and the GEMV after them reads those rows from L2 (`kernels.l2_prefetch`)."""
+        if not (L2_PREFETCH_BYTES and self.branches.active):
+            return
+        key = tuple(names)
+        if key not in self.prefetches:
+            packed = [self.linears[n] for n in names if n in self.linears and self.linears[n].packed]
+            self.prefetches[key] = L2Prefetch([(m.data, m.shape, m.format) for m in packed],
+                                              L2_PREFETCH_BYTES) if packed else None
+        if self.prefetches[key] is not None:
+            with self.branches.beside():
+                prefetch_to_l2(self.prefetches[key])
 
     def _attention_inputs(self, h: torch.Tensor, layer: int, positions: torch.Tensor, tables: torch.Tensor,
                           integer: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
@@ -403,8 +444,16 @@ class FastQwen35:
         c, cache = self.config, self.cache
         prefix = f"layers/{layer}/attention/"
         q_rows = c.heads * c.head_dim
-        query_key, gate_value = self._linears([self.linears[prefix + n] for n in ("query_key", "gate_value")], h,
-                                              integer)
+        readers = [self.linears[prefix + n] for n in ("query_key", "gate_value")]
+        source = self._input(h, readers, integer)
+        if shares_launch(source, *readers):
+            query_key, gate_value = project(source, readers)
+        else:  # two launches: q|k beside gate|v
+            with self.branches.beside(self._independent(source, readers)):
+                query_key = project(source, readers[:1])[0]
+            gate_value = project(source, readers[1:])[0]
+        self.branches.join()  # q|k, and the step's positions and block tables
+        self._prefetch([prefix + "output"])
         q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
                             positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
         v = gate_value[:, q_rows:].view(h.shape[0], c.kv_heads, c.head_dim)
@@ -435,15 +484,16 @@ class FastQwen35:
         # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view (no concatenation)
         projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
         source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
-        project(source, [query_key, value_z], [projected[:, :key_columns], projected[:, key_columns:]])
-        if a_b.weight is not None and a_b.shape[1] <= AB_IN_KERNEL_MAX_K and h.shape[0] <= MAX_GEMV_TOKENS:
-            # a dense a/b projection: for one row in the delta-rule kernel, which reads the head's two rows itself
-            # (one launch fewer); for more rows (where the kernel's programs would read them once per column tile)
-            # through the dense GEMV with the same fixed-order sums, so a token's bits never depend on the batch
-            x = (source.source if isinstance(source, Int8Activations) else source).to(a_b.weight.dtype)
-            a_b = (x, a_b.weight) if x.shape[0] == 1 else dense_linear_gemv(x, a_b.weight, self.dtype, pairwise=True)
-        else:
-            a_b = a_b(source)
+        outs = [projected[:, :key_columns], projected[:, key_columns:]]
+        one_launch = shares_launch(source, query_key, value_z)
+        # the a/b projection, and q|k when it has a launch of its own, beside v|z
+        with self.branches.beside(self._independent(source, [query_key, value_z, a_b])):
+            if not one_launch:
+                project(source, [query_key], outs[:1])
+            a_b = self._gdn_a_b(source, a_b)
+        project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
+        self.branches.join()
+        self._prefetch([prefix + "output"])
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
                               self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)
@@ -454,23 +504,48 @@ class FastQwen35:
                                quantize=self._quantizes_for(output, mixed, self.int8_activations))
         return self._linear(output, o, self.int8_activations)
 
+    @staticmethod
+    def _independent(x: torch.Tensor | Int8Activations, readers: list[PackedLinear]) -> bool:
+        """Whether products of x (or of inputs of its rows) by `readers` may run in two graph branches: none of them
+        decodes its matrix into the one scratch buffer (decode steps of more than MAX_GEMV_TOKENS rows do, as do
+        steps with exact activations)."""
+        return not any(reader.uses_scratch(x) for reader in readers)
+
+    def _gdn_a_b(self, source: torch.Tensor | Int8Activations,
+                 reader: PackedLinear) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The GDN a/b projection of a step's rows, or the pair (x, W) for the delta-rule kernel to compute it. A
+        dense a/b (the 27B's 0.5 M bf16 elements) takes the dense GEMV's fixed-order sums on either route, so a
+        token's bits never depend on the batch. One row computes it in the delta-rule launch (one launch fewer),
+        unless the step runs it in a graph branch of its own (`Branches`), beside the input projections; more rows
+        always take the GEMV, since the kernel's programs would each read the rows again (one per column tile)."""
+        if reader.weight is None or reader.shape[1] > AB_IN_KERNEL_MAX_K or source.shape[0] > MAX_GEMV_TOKENS:
+            return reader(source)
+        x = (source.source if isinstance(source, Int8Activations) else source).to(reader.weight.dtype)
+        if x.shape[0] == 1 and (self.branches.side is None or not AB_BESIDE_ONE_ROW):
+            return x, reader.weight
+        return dense_linear_gemv(x, reader.weight, self.dtype, pairwise=True)
+
     def _mlp(self, h: torch.Tensor, prefix: str, integer: bool) -> torch.Tensor:
         """SwiGLU MLP or sparse MoE. With `integer` (decode, verify) every (token, expert) pair goes through the
         gathering GEMV (no host sync: graph-capturable), else tokens are grouped by expert (`_moe_prefill`)."""
         c = self.config
         if not c.moe:
             gate_up = self._linear(self.linears[prefix + "mlp/gate_up"], h, integer)
+            self._prefetch([prefix + "mlp/down"])
             down = self.linears[prefix + "mlp/down"]
             return self._linear(down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer)), integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]
         source = self._input(h, [*readers, routed_gate_up], integer)
-        logits, shared_gate_up = (reader(source) for reader in readers)
-        weights, ids = route_top_k(logits, c.experts, c.top_k)
         shared_down = self.linears[prefix + "moe/shared_down"]
-        shared = self._linear(shared_down, silu_mul(shared_gate_up, self._quantizes_for(shared_down, shared_gate_up,
-                                                                                        integer)), integer)
+        # the shared expert beside the routing and the routed experts
+        with self.branches.beside(self._independent(source, [*readers, routed_gate_up, shared_down, routed_down])):
+            shared_gate_up = readers[1](source)
+            shared = self._linear(shared_down, silu_mul(shared_gate_up, self._quantizes_for(
+                shared_down, shared_gate_up, integer)), integer)
+        logits = readers[0](source)
+        weights, ids = route_top_k(logits, c.experts, c.top_k)
         if integer:
             flat = ids.reshape(-1)
             activation = silu_mul(routed_gate_up.gather(source, flat, 2 * c.expert_width, c.top_k),
@@ -478,6 +553,7 @@ class FastQwen35:
             routed = routed_down.gather(activation, flat, c.hidden, 1)
         else:
             routed = self._moe_prefill(h, ids, routed_gate_up, routed_down)
+        self.branches.join()
         return moe_combine(routed, weights, shared, logits[:, c.experts :])
 
     def _moe_prefill(self, h: torch.Tensor, ids: torch.Tensor, routed_gate_up: PackedLinear,
