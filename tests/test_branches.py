@@ -56,7 +56,7 @@ def test_a_captured_step_runs_its_side_work_on_a_second_stream_and_replays_like_
         captured = _step(branches, x, streams)
         capture_stream = torch.cuda.current_stream()
     assert streams[-1] == branches.side and streams[-1] != capture_stream
-    torch.cuda.synchronize()
+    graph.replay()
     assert torch.equal(captured, eager)
     for _ in range(3):
         x.copy_(torch.randn_like(x))

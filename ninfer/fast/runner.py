@@ -425,14 +425,14 @@ class FastQwen35:
         """In a captured step, stream the first L2_PREFETCH_BYTES of the packed matrices `names` (those present)
         into L2 in the step's second branch, from when the kernels launched so far have finished: the small kernels
         launched next run meanwhile, and the GEMV after them reads those rows from L2 (`kernels.l2_prefetch`)."""
-        if not (L2_PREFETCH_BYTES and self.branches.active):
+        if not (L2_PREFETCH_BYTES and self.branches.side is not None):
             return
         key = tuple(names)
-        if key not in self.prefetches:
+        if key not in self.prefetches:  # made by the eager step before a capture (its ranges are a host copy)
             packed = [self.linears[n] for n in names if n in self.linears and self.linears[n].packed]
             self.prefetches[key] = L2Prefetch([(m.data, m.shape, m.format) for m in packed],
                                               L2_PREFETCH_BYTES) if packed else None
-        if self.prefetches[key] is not None:
+        if self.prefetches[key] is not None and self.branches.active:
             with self.branches.beside():
                 prefetch_to_l2(self.prefetches[key])
 
