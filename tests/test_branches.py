@@ -33,7 +33,7 @@ def _step(branches: Branches, x: torch.Tensor, streams: list) -> torch.Tensor:
     """A two-branch step: a chain on the main stream and one beside it, joined at the end."""
     with branches.beside():
         streams.append(torch.cuda.current_stream())
-        side = (x * 3).cumsum(0)
+        side = (x * 3).tanh()
     main = (x + 1).sin()
     branches.join()
     return main * side

@@ -68,7 +68,8 @@ MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the gr
 AB_BESIDE_ONE_ROW = True
 # bytes of the next GEMV's first rows that a captured step streams into L2 in its second branch while the small
 # kernels before that GEMV run (`_prefetch`); 0: none
-L2_PREFETCH_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_MIB", "8")) * 2**20)
+L2_PREFETCH_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_MIB", "4")) * 2**20)
+L2_PREFETCH_OUTPUT_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_OUTPUT_MIB", "4")) * 2**20)
 
 
 def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
@@ -421,17 +422,17 @@ class FastQwen35:
             return [f"layers/{layer}/attention/{n}" for n in ("query_key", "gate_value")]
         return [f"layers/{layer}/gdn/{n}" for n in GDN_PROJECTIONS[:2]]
 
-    def _prefetch(self, names: list[str]) -> None:
+    def _prefetch(self, names: list[str], budget: int = L2_PREFETCH_BYTES) -> None:
         """In a captured step, stream the first L2_PREFETCH_BYTES of the packed matrices `names` (those present)
         into L2 in the step's second branch, from when the kernels launched so far have finished: the small kernels
         launched next run meanwhile, and the GEMV after them reads those rows from L2 (`kernels.l2_prefetch`)."""
-        if not (L2_PREFETCH_BYTES and self.branches.side is not None):
+        if not (budget and self.branches.side is not None):
             return
         key = tuple(names)
         if key not in self.prefetches:  # made by the eager step before a capture (its ranges are a host copy)
             packed = [self.linears[n] for n in names if n in self.linears and self.linears[n].packed]
             self.prefetches[key] = L2Prefetch([(m.data, m.shape, m.format) for m in packed],
-                                              L2_PREFETCH_BYTES) if packed else None
+                                              budget) if packed else None
         if self.prefetches[key] is not None and self.branches.active:
             with self.branches.beside():
                 prefetch_to_l2(self.prefetches[key])
@@ -453,7 +454,7 @@ class FastQwen35:
                 query_key = project(source, readers[:1])[0]
             gate_value = project(source, readers[1:])[0]
         self.branches.join()  # q|k, and the step's positions and block tables
-        self._prefetch([prefix + "output"])
+        self._prefetch([prefix + "output"], L2_PREFETCH_OUTPUT_BYTES)
         q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
                             positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
         v = gate_value[:, q_rows:].view(h.shape[0], c.kv_heads, c.head_dim)
@@ -493,7 +494,7 @@ class FastQwen35:
             a_b = self._gdn_a_b(source, a_b)
         project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
         self.branches.join()
-        self._prefetch([prefix + "output"])
+        self._prefetch([prefix + "output"], L2_PREFETCH_OUTPUT_BYTES)
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
                               self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)
