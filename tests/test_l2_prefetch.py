@@ -84,8 +84,8 @@ def test_the_runner_prefetches_the_matrices_each_step_reads_next():
         fast = FastQwen35.from_artifact(artifact, DEVICE, dtype=torch.float32, max_context=64)
     c = fast.config
     for i, kind in enumerate(c.layer_types):
-        mixer = ["attention/query_key", "attention/value"] if kind == "full_attention" else \
-            ["gdn/query_key", "gdn/value"]
+        mixer = ["attention/query_key", "attention/gate_value"] if kind == "full_attention" else \
+            ["gdn/query_key", "gdn/value_z"]
         assert fast._inputs_of(i) == [f"layers/{i}/{m}" for m in mixer]
         assert all(fast.linears[f"layers/{i}/{m}"].packed for m in (*mixer, "mlp/gate_up", "mlp/down")
                    if not (c.moe and m.startswith("mlp")))

@@ -17,8 +17,6 @@ The output has x's dtype unless asked otherwise; MoE experts go through `gather`
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 
@@ -94,26 +92,6 @@ def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
     return results
 
 
-def split_rows(data: torch.Tensor, shape: tuple[int, int], fmt: str, rows: int
-               ) -> tuple[tuple[torch.Tensor, tuple[int, int]], tuple[torch.Tensor, tuple[int, int]]]:
-    """An encoded matrix W `[N, K]` (`data` uint8 in `fmt`) as two: rows [0, rows) and [rows, N), each `(data,
-    shape)` in the same format, copied plane by plane (every plane holds its rows one after another); decoding
-    either gives those rows of W exactly."""
-    n, k = shape
-    if not 0 < rows < n:
-        raise ValueError(f"split_rows: a split at row {rows} of a {n}-row matrix leaves an empty part")
-    codec = codec_for(fmt)
-    parts = []
-    for first, count in ((0, rows), (rows, n - rows)):
-        part = torch.zeros(codec.encoded_bytes((count, k)), dtype=torch.uint8, device=data.device)
-        for whole, piece in zip(codec.planes(shape), codec.planes((count, k)), strict=True):
-            size = count * piece.row_bytes
-            start = whole.offset + first * whole.row_bytes
-            part[piece.offset : piece.offset + size] = data[start : start + size]
-        parts.append((part, (count, k)))
-    return parts[0], parts[1]
-
-
 def _source(x: torch.Tensor | Int8Activations) -> torch.Tensor:
     """The activations themselves (for the routes that do not take int8 records)."""
     return x.source if isinstance(x, Int8Activations) else x
@@ -157,22 +135,6 @@ class PackedLinear:
         else:
             self.data = None
             self.weight = codec_for(fmt).decode(data, self.shape).to(scratch.dtype)
-
-    def split(self, rows: int) -> tuple[PackedLinear, PackedLinear]:
-        """W's rows [0, rows) and [rows, N) as two matrices (this one's storage is not kept): packed formats split
-        plane by plane (`split_rows`), others as their decoded rows."""
-        parts = []
-        if self.packed:
-            for data, shape in split_rows(self.data, self.shape, self.format, rows):
-                parts.append(PackedLinear(data, shape, self.format, self.scratch))
-            return parts[0], parts[1]
-        if not 0 < rows < self.shape[0]:
-            raise ValueError(f"split: a split at row {rows} of a {self.shape[0]}-row matrix leaves an empty part")
-        for weight in (self.weight[:rows], self.weight[rows:]):
-            part = copy.copy(self)
-            part.shape, part.weight = (weight.shape[0], self.shape[1]), weight.contiguous()
-            parts.append(part)
-        return parts[0], parts[1]
 
     @property
     def nbytes(self) -> int:

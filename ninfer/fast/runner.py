@@ -54,8 +54,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# the GDN layer's matrices that read its input, as held: the artifact's value_z split into value and z
-GDN_PROJECTIONS = ("query_key", "value", "z", "a_b_projection")
+GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's matrices that read its input
 # prompt pieces of up to this many tokens take the decode kernels (`_steps`) instead of the prefill route: the gated
 # delta step unrolls its T tokens (one compiled kernel per T, all made by `warm_up`). Off (0) under the interpreter,
 # which runs those kernels program by program, far slower than the prefill route's torch ops (the tests set it)
@@ -70,6 +69,7 @@ AB_BESIDE_ONE_ROW = True
 # bytes of the next GEMV's first rows that a captured step streams into L2 in its second branch while the small
 # kernels before that GEMV run (`_prefetch`); 0: none
 L2_PREFETCH_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_MIB", "4")) * 2**20)
+L2_PREFETCH_OUTPUT_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_OUTPUT_MIB", "4")) * 2**20)
 
 
 def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
@@ -77,19 +77,6 @@ def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
     if is_packed(fmt) or len(shape) != 2:
         return stored
     return math.prod(shape) * 2
-
-
-def _split(config: TextConfig, name: str) -> tuple[str, str, int] | None:
-    """For a matrix the fast path holds as two (names, and the first's rows), else None: the GDN value_z (v | z)
-    and the attention gate_value (output gate | v). v feeds the conv and the attention scores at once, while z
-    and the gate are first read after the delta rule or the attention: a decode step computes them in a second
-    graph branch, beside those (`Branches`)."""
-    mixer, _, matrix = name.rpartition("/")  # "layers/i/gdn", "value_z"
-    if mixer.endswith("/gdn") and matrix == "value_z":
-        return f"{mixer}/value", f"{mixer}/z", config.v_heads * config.v_dim
-    if mixer.endswith("/attention") and matrix == "gate_value":
-        return f"{mixer}/gate", f"{mixer}/value", config.heads * config.head_dim
-    return None
 
 
 def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -173,13 +160,7 @@ class FastQwen35:
         for obj in tqdm(objects, desc="loading weights", unit="object", disable=not progress):
             name = obj.id.removeprefix("text/")
             if len(obj.shape) == 2 and not name.endswith("gdn/convolution"):
-                linear = PackedLinear(artifact.raw(obj.id).to(device), obj.shape, obj.format, scratch)
-                split = _split(config, name)
-                if split:  # held as two matrices, so that a step can compute the second in a branch of its own
-                    first, second, rows = split
-                    linears[first], linears[second] = linear.split(rows)
-                else:
-                    linears[name] = linear
+                linears[name] = PackedLinear(artifact.raw(obj.id).to(device), obj.shape, obj.format, scratch)
             else:
                 tensor = artifact.tensor(obj.id, device)
                 vectors[name] = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)
@@ -437,51 +418,50 @@ class FastQwen35:
         c = self.config
         if layer == c.layers:
             return ["output_head" if "output_head" in self.linears else "token_embedding"]
-        mixer = "attention" if c.layer_types[layer] == FULL_ATTENTION else "gdn"
-        return [f"layers/{layer}/{mixer}/{n}" for n in ("query_key", "value")]
+        if c.layer_types[layer] == FULL_ATTENTION:
+            return [f"layers/{layer}/attention/{n}" for n in ("query_key", "gate_value")]
+        return [f"layers/{layer}/gdn/{n}" for n in GDN_PROJECTIONS[:2]]
 
-    def _prefetch(self, names: list[str]) -> None:
+    def _prefetch(self, names: list[str], budget: int = L2_PREFETCH_BYTES) -> None:
         """In a captured step, stream the first L2_PREFETCH_BYTES of the packed matrices `names` (those present)
         into L2 in the step's second branch, from when the kernels launched so far have finished: the small kernels
         launched next run meanwhile, and the GEMV after them reads those rows from L2 (`kernels.l2_prefetch`)."""
-        if not (L2_PREFETCH_BYTES and self.branches.side is not None):
+        if not (budget and self.branches.side is not None):
             return
         key = tuple(names)
         if key not in self.prefetches:  # made by the eager step before a capture (its ranges are a host copy)
             packed = [self.linears[n] for n in names if n in self.linears and self.linears[n].packed]
             self.prefetches[key] = L2Prefetch([(m.data, m.shape, m.format) for m in packed],
-                                              L2_PREFETCH_BYTES) if packed else None
+                                              budget) if packed else None
         if self.prefetches[key] is not None and self.branches.active:
             with self.branches.beside():
                 prefetch_to_l2(self.prefetches[key])
 
     def _attention_inputs(self, h: torch.Tensor, layer: int, positions: torch.Tensor, tables: torch.Tensor,
                           integer: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """An attention layer up to its scores, for T rows at `positions`: the query/key, value and output gate
+        """An attention layer up to its scores, for T rows at `positions`: the query/key and gate/value
         projections, q/k norm + rotary, and the new keys and values written into the pages of `tables` `[T, ·]`.
-        Returns q `[T, heads, hd]`, the output gate `[T, heads·hd]` and the layer's (key, value, scale) pools. In a
-        captured step the gate is computed in the graph's second branch, beside everything after the projections:
-        join before reading it."""
+        Returns q `[T, heads, hd]`, the output gate `[T, heads·hd]` and the layer's (key, value, scale) pools."""
         c, cache = self.config, self.cache
         prefix = f"layers/{layer}/attention/"
-        readers = [self.linears[prefix + n] for n in ("query_key", "value", "gate")]
+        q_rows = c.heads * c.head_dim
+        readers = [self.linears[prefix + n] for n in ("query_key", "gate_value")]
         source = self._input(h, readers, integer)
-        independent = self._independent(source, readers)
-        if shares_launch(source, *readers[:2]):
-            query_key, value = project(source, readers[:2])
-        else:  # two launches: q|k beside v
-            with self.branches.beside(independent):
+        if shares_launch(source, *readers):
+            query_key, gate_value = project(source, readers)
+        else:  # two launches: q|k beside gate|v
+            with self.branches.beside(self._independent(source, readers)):
                 query_key = project(source, readers[:1])[0]
-            value = project(source, readers[1:2])[0]
+            gate_value = project(source, readers[1:])[0]
         self.branches.join()  # q|k, and the step's positions and block tables
-        with self.branches.beside(independent):
-            gate = project(source, readers[2:])[0]
+        self._prefetch([prefix + "output"], L2_PREFETCH_OUTPUT_BYTES)
         q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
                             positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
+        v = gate_value[:, q_rows:].view(h.shape[0], c.kv_heads, c.head_dim)
         pools = (cache.key_pages[layer], cache.value_pages[layer], cache.key_scales.get(layer),
                  cache.value_scales.get(layer))
-        write_kv(k, value.view(h.shape[0], c.kv_heads, c.head_dim), *pools, tables, positions)
-        return q, gate, pools
+        write_kv(k, v, *pools, tables, positions)
+        return q, gate_value[:, :q_rows], pools
 
     def _attention_decode(self, h: torch.Tensor, layer: int, positions: torch.Tensor, lengths: torch.Tensor,
                           tables: torch.Tensor) -> torch.Tensor:
@@ -491,7 +471,6 @@ class FastQwen35:
                                    max_length=cache.max_pages * cache.page)
         output = self.linears[f"layers/{layer}/attention/output"]
         quantize = self._quantizes_for(output, gate, self.int8_activations)
-        self.branches.join()  # the gate
         gated = sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=quantize)
         return self._linear(output, gated, self.int8_activations)
 
@@ -500,31 +479,30 @@ class FastQwen35:
         c = self.config
         prefix = f"layers/{layer}/gdn/"
         value_rows = c.v_heads * c.v_dim
-        query_key, value, z, a_b = readers = [self.linears[prefix + n] for n in GDN_PROJECTIONS]
+        query_key, value_z, a_b = (self.linears[prefix + n] for n in GDN_PROJECTIONS)
         output = self.linears[prefix + "output"]
         key_columns = query_key.shape[0]
-        # q | k and v side by side in one buffer: the conv reads q | k | v as one row view (no concatenation)
-        projected = torch.empty((h.shape[0], key_columns + value_rows), dtype=self.dtype, device=self.device)
-        source = self._input(h, readers, self.int8_activations)
+        # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view (no concatenation)
+        projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
+        source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
         outs = [projected[:, :key_columns], projected[:, key_columns:]]
-        one_launch = shares_launch(source, query_key, value)
-        independent = self._independent(source, readers)
-        with self.branches.beside(independent):  # the a/b projection, and q|k when it has a launch of its own
+        one_launch = shares_launch(source, query_key, value_z)
+        # the a/b projection, and q|k when it has a launch of its own, beside v|z
+        with self.branches.beside(self._independent(source, [query_key, value_z, a_b])):
             if not one_launch:
                 project(source, [query_key], outs[:1])
             a_b = self._gdn_a_b(source, a_b)
-        project(source, [query_key, value] if one_launch else [value], outs if one_launch else outs[1:])
+        project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
         self.branches.join()
-        with self.branches.beside(independent):  # z, first read by the gated norm, beside the conv and delta rule
-            z = project(source, [z])[0]
+        self._prefetch([prefix + "output"], L2_PREFETCH_OUTPUT_BYTES)
         index = self.cache.gdn_index[layer]
-        mixed = conv1d_update(projected, self.vectors[prefix + "convolution"], self.cache.conv[index], slots,
-                              tokens=tokens, snapshot_slots=snapshots)
-        o = gated_delta_decode(mixed, z, a_b, self.vectors[prefix + "a_log"], self.vectors[prefix + "dt_bias"],
-                               self.vectors[prefix + "norm"], self.cache.recurrent[index], slots, c.k_heads, c.k_dim,
-                               c.v_heads, c.v_dim, c.rms_eps, tokens=tokens, snapshot_slots=snapshots,
-                               quantize=self._quantizes_for(output, mixed, self.int8_activations),
-                               before_norm=self.branches.join)
+        mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
+                              self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)
+        o = gated_delta_decode(mixed, projected[:, key_columns + value_rows :], a_b, self.vectors[prefix + "a_log"],
+                               self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
+                               self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
+                               tokens=tokens, snapshot_slots=snapshots,
+                               quantize=self._quantizes_for(output, mixed, self.int8_activations))
         return self._linear(output, o, self.int8_activations)
 
     @staticmethod
@@ -625,7 +603,6 @@ class FastQwen35:
         tokens = h.shape[0]
         tables = cache.block_tables[state.slot : state.slot + 1].expand(tokens, -1)
         q, gate, _ = self._attention_inputs(h, layer, positions, tables, integer=False)
-        self.branches.join()
         start = state.length
         keys, values = cache.dense_kv(layer, state, start + tokens, q.dtype)
         o = prefill_attention(q, keys, values, start, c.head_dim**-0.5).reshape(tokens, -1)
@@ -636,10 +613,9 @@ class FastQwen35:
         prefix = f"layers/{layer}/gdn/"
         tokens = h.shape[0]
         key_rows, value_rows = c.k_heads * c.k_dim, c.v_heads * c.v_dim
-        query_key, value, z, a_b = self._linears([self.linears[prefix + n] for n in GDN_PROJECTIONS], h,
-                                                 integer=False)
+        query_key, value_z, a_b = self._linears([self.linears[prefix + n] for n in GDN_PROJECTIONS], h, integer=False)
         index = cache.gdn_index[layer]
-        mixed, window = causal_conv1d(torch.cat([query_key, value], dim=1),
+        mixed, window = causal_conv1d(torch.cat([query_key, value_z[:, :value_rows]], dim=1),
                                       self.vectors[prefix + "convolution"], cache.conv[index, state.slot])
         cache.conv[index, state.slot] = window
         q = mixed[:, :key_rows].reshape(tokens, c.k_heads, c.k_dim)
@@ -652,6 +628,6 @@ class FastQwen35:
         q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
         o, final = delta_rule_prefill(q, k, v, g, beta, cache.recurrent[index, state.slot], c.k_dim)
         cache.recurrent[index, state.slot] = final
-        o = rms_norm_gated(o.to(h.dtype), z.reshape(tokens, c.v_heads, c.v_dim),
+        o = rms_norm_gated(o.to(h.dtype), value_z[:, value_rows:].reshape(tokens, c.v_heads, c.v_dim),
                            self.vectors[prefix + "norm"], c.rms_eps)
         return self.linears[prefix + "output"](o.reshape(tokens, value_rows))

@@ -18,8 +18,6 @@ within a call: two rows on one slot race. Under TRITON_INTERPRET=1 they run on t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -248,8 +246,7 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
 def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor], a_log: Tensor, dt_bias: Tensor,
                        norm_weight: Tensor, state: Tensor, slots: Tensor, k_heads: int, k_dim: int, v_heads: int,
                        v_dim: int, eps: float, tokens: int = 1, snapshot_slots: Tensor | None = None,
-                       quantize: bool = False, before_norm: Callable[[], None] | None = None
-                       ) -> Tensor | Int8Activations:
+                       quantize: bool = False) -> Tensor | Int8Activations:
     """`tokens` Gated DeltaNet tokens per sequence after the conv: gates, delta-rule steps on the pooled state,
     gated norm. Rows b·T … b·T + T − 1 are sequence b's tokens in order; each row is one step below.
 
@@ -275,8 +272,7 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
 
     Two launches: the delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
     on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated
-    norm over whole heads (it needs all of a head's o), which also writes the int8 records. `before_norm` is
-    called between the two, before anything reads z (a caller making z on another stream joins it there).
+    norm over whole heads (it needs all of a head's o), which also writes the int8 records.
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"
@@ -331,8 +327,6 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1,
         num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
         **pdl_options(mixed.device))
-    if before_norm is not None:
-        before_norm()
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
     round_norm_product = torch.promote_types(norm_weight.dtype, mixed.dtype) == mixed.dtype
     records_here = quantize and v_dim % 32 == 0 and block_v == v_dim
