@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from ninfer.kernels.attention import causal_attention
+from ninfer.kernels.fused import sigmoid_mul
 from ninfer.kernels.norm import rms_norm
 from ninfer.kernels.paged_attention import (
     decode_split_plan,
@@ -173,6 +174,7 @@ DECODE_CASES = {  # name: (heads, kv_heads, head_dim, page, lengths, max_pages, 
     "batch8": (4, 2, 64, 16, [1, 2, 15, 16, 17, 33, 48, 64], 4, None),
     "one tile, one split on any device": (4, 2, 64, 16, [1, 9, 16], 2, 16),
     "max_length below the table": (8, 2, 64, 16, [48, 7, 31], 6, 48),
+    "three heads of 64 (a padded int8 record block)": (3, 1, 64, 16, [5, 40], 4, None),
 }
 
 
@@ -237,6 +239,42 @@ def test_decode_equals_causal_attention_on_a_dense_cache(kv_dtype):
         assert error < DECODE_TOLERANCE, f"sequence {b} (length {length}): relative error {error:.2e}"
 
 
+GATED_CASES = {  # DECODE_CASES name: splits on any device
+    "gqa2 page16 two splits": 2,
+    "one tile, one split on any device": 1,
+    "three heads of 64 (a padded int8 record block)": 2,
+}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's bf16 o
+@pytest.mark.parametrize("quantize", [False, True], ids=["y", "records"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("case", "kv_dtype"), [(case, "bf16") for case in GATED_CASES] +
+                         [("gqa2 page16 two splits", "int8"), ("one tile, one split on any device", "fp8")])
+def test_gated_decode_gives_the_bits_of_sigmoid_mul_after_it(case, kv_dtype, dtype, quantize):
+    """The output gate (and the int8 records) in the kernel that writes the output: the merge of the splits, or the
+    decode kernel itself with one split, whose GQA tile has padding rows that must not touch other heads. Compared
+    as bits (bf16 under the interpreter: its bf16 `tl.dot` makes o wrong, even inf/NaN, but the same o on both
+    paths, so the gate's roundings are still what is compared)."""
+    heads, kv_heads, head_dim, page, _, max_pages, max_length = DECODE_CASES[case]
+    assert decode_split_plan(kv_heads, max_length or max_pages * page, DEVICE) == GATED_CASES[case]
+    q, _, _, cache, table, lengths = decode_inputs(case, KV_DTYPES[kv_dtype], seed=len(case))
+    batch, width = q.shape[0], heads * head_dim
+    gate_value = torch.randn(batch, width + 64, generator=torch.Generator().manual_seed(5)) * 3
+    args = (q.to(DEVICE, dtype), *[None if t is None else t.to(DEVICE) for t in cache], table.to(DEVICE),
+            lengths.to(DEVICE), head_dim**-0.5, max_length)
+    gate = gate_value.to(DEVICE, dtype)[:, :width]  # a column slice of the gate/value projection, as in the model
+    o = paged_attention_decode(*args)
+    expected = sigmoid_mul(o.view(batch, -1), gate, quantize=quantize)
+    got = paged_attention_decode(*args, gate=gate, quantize=quantize)
+    if quantize:
+        assert torch.equal(got.blocks, expected.blocks), "records differ"
+        got, expected = got.source, expected.source
+    assert got.shape == (batch, width) and got.dtype == dtype
+    got, expected = (t.view(torch.int32 if dtype == torch.float32 else torch.int16) for t in (got, expected))
+    assert torch.equal(got, expected), f"gated output differs in {int((got != expected).sum())} of {got.numel()}"
+
+
 def test_decode_refuses_what_it_does_not_do():
     pages = torch.zeros(4, 16, 2, 64, dtype=torch.int8)
     table, lengths, q = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1, 4, 64)
@@ -246,3 +284,8 @@ def test_decode_refuses_what_it_does_not_do():
         paged_attention_decode(q[..., :48], pages[..., :48], pages[..., :48], None, None, table, lengths, 1.0)
     with pytest.raises(ValueError, match="does not fit"):
         paged_attention_decode(torch.zeros(1, 3, 64), pages.float(), pages.float(), None, None, table, lengths, 1.0)
+    float_pages = pages.float()
+    with pytest.raises(ValueError, match="gate"):
+        paged_attention_decode(q, float_pages, float_pages, None, None, table, lengths, 1.0, gate=torch.zeros(1, 64))
+    with pytest.raises(ValueError, match="pass a gate"):
+        paged_attention_decode(q, float_pages, float_pages, None, None, table, lengths, 1.0, quantize=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ninfer.kernels.fused import sigmoid_mul
 from ninfer.kernels.norm import rms_norm
 from ninfer.kernels.paged_attention import (
     paged_attention_decode,
@@ -120,6 +121,26 @@ def test_decode_on_cuda_equals_the_reference(shape, batch, page, kv_dtype):
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     error = relative_error(got, expected)
     assert error < DECODE_BF16_REL, f"{shape} B={batch} page {page} {kv_dtype}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("max_length", [MAX_LENGTH, 32], ids=["many splits", "one split"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gated_decode_on_cuda_gives_the_bits_of_sigmoid_mul_after_it(shape, max_length):
+    heads, kv_heads = SHAPES[shape]
+    batch, width = 8, heads * HEAD_DIM
+    generator = torch.Generator(device="cuda").manual_seed(max_length)
+    lengths = [min(length, max_length) for length in LENGTHS[batch]]
+    cache, table = filled_cache(torch.int8, lengths, 64, kv_heads, generator)
+    q = (torch.randn(batch, heads, HEAD_DIM, device="cuda", generator=generator) * 2).to(torch.bfloat16)
+    gate_value = (torch.randn(batch, 2 * width, device="cuda", generator=generator) * 3).to(torch.bfloat16)
+    gate = gate_value[:, :width]  # a column slice of the gate/value projection, as in the model
+    args = (q, *cache, table, torch.tensor(lengths, dtype=torch.int32, device="cuda"), HEAD_DIM**-0.5, max_length)
+    o = paged_attention_decode(*args)
+    plain = paged_attention_decode(*args, gate=gate)
+    acts = paged_attention_decode(*args, gate=gate, quantize=True)
+    expected = sigmoid_mul(o.view(batch, -1), gate, quantize=True)
+    assert torch.equal(plain, expected.source) and torch.equal(acts.source, expected.source)
+    assert torch.equal(acts.blocks, expected.blocks)
 
 
 def test_decode_step_replays_in_a_cuda_graph():

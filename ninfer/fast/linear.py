@@ -148,29 +148,32 @@ class PackedLinear:
         written by the integer GEMV itself, copied from the other routes."""
         source = _source(x)
         out_dtype = out.dtype if out is not None else out_dtype or source.dtype
-        if isinstance(x, Int8Activations) and self.groupwise:
+        route = self.route(x)
+        if route == "integer":
             return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out)
-        result = self._product(source, out_dtype)
+        if route == "dense":
+            result = dense_linear_gemv(source.to(self.weight.dtype), self.weight, out_dtype=out_dtype)
+        elif route == "cublas":
+            result = F.linear(source.to(self.weight.dtype), self.weight).to(out_dtype)
+        elif route == "fp8":
+            result = fp8_linear_gemv(source, self.data, self.shape, out_dtype=out_dtype)
+        else:
+            weight = self._decoded(0, self.shape[0])
+            result = F.linear(source.to(weight.dtype), weight).to(out_dtype)
         return result if out is None else out.copy_(result)
 
-    def uses_scratch(self, x: torch.Tensor | Int8Activations) -> bool:
-        """Whether x's product decodes W into the shared scratch buffer (then no other product that does may run
-        beside it: `Branches`)."""
+    def route(self, x: torch.Tensor | Int8Activations) -> str:
+        """The kernel that takes x's product: "integer" (groupwise W, int8 records: the integer GEMV), "dense" (a
+        small plain W: a result per token whatever T, where cuBLAS picks its kernel by T — GDN a/b, routers),
+        "cublas" (a large plain W, a bf16 artifact's projections, read once for all tokens), "fp8" (the FP8 GEMV, up
+        to FP8_GEMV_TOKENS rows) or "scratch" (W decoded into the shared scratch buffer, then cuBLAS: no other
+        product that does so may run beside it, `Branches`)."""
         if isinstance(x, Int8Activations) and self.groupwise:
-            return False
-        return self.packed and (self.groupwise or _source(x).shape[0] > FP8_GEMV_TOKENS)
-
-    def _product(self, source: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+            return "integer"
+        rows = _source(x).shape[0]
         if not self.packed:
-            # small matrices (GDN a/b, routers): a result per token whatever T (cuBLAS picks kernels by T); large ones
-            # (a bf16 artifact's projections) through cuBLAS, which reads them once for all tokens
-            if source.shape[0] <= MAX_GEMV_TOKENS and self.weight.numel() <= DENSE_GEMV_MAX_ELEMENTS:
-                return dense_linear_gemv(source.to(self.weight.dtype), self.weight, out_dtype=out_dtype)
-            return F.linear(source.to(self.weight.dtype), self.weight).to(out_dtype)
-        if source.shape[0] <= FP8_GEMV_TOKENS and not self.groupwise:
-            return fp8_linear_gemv(source, self.data, self.shape, out_dtype=out_dtype)
-        weight = self._decoded(0, self.shape[0])
-        return F.linear(source.to(weight.dtype), weight).to(out_dtype)
+            return "dense" if rows <= MAX_GEMV_TOKENS and self.weight.numel() <= DENSE_GEMV_MAX_ELEMENTS else "cublas"
+        return "fp8" if rows <= FP8_GEMV_TOKENS and not self.groupwise else "scratch"
 
     def _decoded(self, first_row: int, rows: int) -> torch.Tensor:
         """W[first_row : first_row + rows] in the activation dtype, in the scratch buffer."""

@@ -63,13 +63,10 @@ SHORT_PREFILL_TOKENS = 0 if INTERPRETED else 16
 # 33: neither; 34: T · top_k only, for top_k 8)
 WARM_UP_LENGTHS = (32, 33, 34)
 MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the grouped MoE prefill
-# a one-row step whose independent work runs in a second graph branch (`Branches`) computes the GDN a/b
-# projection there, beside the input projections, rather than in the delta-rule launch
-AB_BESIDE_ONE_ROW = True
 # bytes of the next GEMV's first rows that a captured step streams into L2 in its second branch while the small
-# kernels before that GEMV run (`_prefetch`); 0: none
+# kernels before that GEMV run (`_prefetch`), at every site; 0: none (27B on the H200: 2-4 MiB best, 8 MiB and more
+# outlast the window, docs/performance.md)
 L2_PREFETCH_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_MIB", "4")) * 2**20)
-L2_PREFETCH_OUTPUT_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_OUTPUT_MIB", "4")) * 2**20)
 
 
 def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
@@ -422,17 +419,17 @@ class FastQwen35:
             return [f"layers/{layer}/attention/{n}" for n in ("query_key", "gate_value")]
         return [f"layers/{layer}/gdn/{n}" for n in GDN_PROJECTIONS[:2]]
 
-    def _prefetch(self, names: list[str], budget: int = L2_PREFETCH_BYTES) -> None:
+    def _prefetch(self, names: list[str]) -> None:
         """In a captured step, stream the first L2_PREFETCH_BYTES of the packed matrices `names` (those present)
         into L2 in the step's second branch, from when the kernels launched so far have finished: the small kernels
         launched next run meanwhile, and the GEMV after them reads those rows from L2 (`kernels.l2_prefetch`)."""
-        if not (budget and self.branches.side is not None):
+        if not (L2_PREFETCH_BYTES and self.branches.side is not None):
             return
         key = tuple(names)
         if key not in self.prefetches:  # made by the eager step before a capture (its ranges are a host copy)
             packed = [self.linears[n] for n in names if n in self.linears and self.linears[n].packed]
             self.prefetches[key] = L2Prefetch([(m.data, m.shape, m.format) for m in packed],
-                                              budget) if packed else None
+                                              L2_PREFETCH_BYTES) if packed else None
         if self.prefetches[key] is not None and self.branches.active:
             with self.branches.beside():
                 prefetch_to_l2(self.prefetches[key])
@@ -454,7 +451,7 @@ class FastQwen35:
                 query_key = project(source, readers[:1])[0]
             gate_value = project(source, readers[1:])[0]
         self.branches.join()  # q|k, and the step's positions and block tables
-        self._prefetch([prefix + "output"], L2_PREFETCH_OUTPUT_BYTES)
+        self._prefetch([prefix + "output"])
         q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
                             positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
         v = gate_value[:, q_rows:].view(h.shape[0], c.kv_heads, c.head_dim)
@@ -467,11 +464,11 @@ class FastQwen35:
                           tables: torch.Tensor) -> torch.Tensor:
         c, cache = self.config, self.cache
         q, gate, pools = self._attention_inputs(h, layer, positions, tables, self.int8_activations)
-        o = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
-                                   max_length=cache.max_pages * cache.page)
         output = self.linears[f"layers/{layer}/attention/output"]
-        quantize = self._quantizes_for(output, gate, self.int8_activations)
-        gated = sigmoid_mul(o.view(h.shape[0], -1), gate, quantize=quantize)
+        # the output gate (and the output projection's int8 records) applied by the kernel that writes the output
+        gated = paged_attention_decode(q, *pools, tables, lengths, c.head_dim**-0.5,
+                                       max_length=cache.max_pages * cache.page, gate=gate,
+                                       quantize=self._quantizes_for(output, gate, self.int8_activations))
         return self._linear(output, gated, self.int8_activations)
 
     def _gdn_decode(self, h: torch.Tensor, layer: int, slots: torch.Tensor, tokens: int = 1,
@@ -494,7 +491,7 @@ class FastQwen35:
             a_b = self._gdn_a_b(source, a_b)
         project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
         self.branches.join()
-        self._prefetch([prefix + "output"], L2_PREFETCH_OUTPUT_BYTES)
+        self._prefetch([prefix + "output"])
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
                               self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)
@@ -510,7 +507,7 @@ class FastQwen35:
         """Whether products of x (or of inputs of its rows) by `readers` may run in two graph branches: none of them
         decodes its matrix into the one scratch buffer (decode steps of more than MAX_GEMV_TOKENS rows do, as do
         steps with exact activations)."""
-        return not any(reader.uses_scratch(x) for reader in readers)
+        return not any(reader.route(x) == "scratch" for reader in readers)
 
     def _gdn_a_b(self, source: torch.Tensor | Int8Activations,
                  reader: PackedLinear) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -522,7 +519,7 @@ class FastQwen35:
         if reader.weight is None or reader.shape[1] > AB_IN_KERNEL_MAX_K or source.shape[0] > MAX_GEMV_TOKENS:
             return reader(source)
         x = (source.source if isinstance(source, Int8Activations) else source).to(reader.weight.dtype)
-        if x.shape[0] == 1 and (self.branches.side is None or not AB_BESIDE_ONE_ROW):
+        if x.shape[0] == 1 and self.branches.side is None:
             return x, reader.weight
         return dense_linear_gemv(x, reader.weight, self.dtype, pairwise=True)
 

@@ -52,10 +52,10 @@ class L2Prefetch:
                 first = (start + plane.offset) // LINE_BYTES * LINE_BYTES
                 end = start + plane.offset + rows * plane.row_bytes
                 ranges.append((first, -(-(end - first) // LINE_BYTES) * LINE_BYTES))
-        self.device = matrices[0][0].device
-        self.ranges = torch.tensor(ranges, dtype=torch.int64, device=self.device)
+        device = matrices[0][0].device
+        self.ranges = torch.tensor(ranges, dtype=torch.int64, device=device)
         self.bytes = sum(length for _, length in ranges)
-        self.asm = (self.device.type == "cuda" and torch.version.hip is None
+        self.asm = (device.type == "cuda" and torch.version.hip is None
                     and os.environ.get("TRITON_INTERPRET") != "1")
 
 

@@ -19,7 +19,9 @@ Operations, each a Triton kernel with a pure-torch oracle:
     flash-decoding — programs over (sequence, kv head, split of the positions) with an online softmax, the query
     heads of one kv head (the GQA group) as one tile, int8/fp8 tiles dequantised in registers; a second kernel
     merges the splits by log-sum-exp. Nothing reads `lengths` on the host and every allocation is sized from host
-    ints, so a decode step can be captured in a CUDA graph.
+    ints, so a decode step can be captured in a CUDA graph. With a `gate`, the kernel that writes the output (the
+    merge, or the decode kernel when there is one split) also applies the attention output gate of
+    `fused.sigmoid_mul`, and with `quantize` makes the int8 records of the gated output: no launch of its own.
 Under TRITON_INTERPRET=1 the kernels run on the CPU (fp32 activations there: the interpreter miscomputes bf16
 `tl.dot` and rounds fp32 → bf16 imprecisely).
 """
@@ -32,15 +34,20 @@ import math
 import torch
 from torch import Tensor
 
+from ninfer.kernels.activation_quant import LANE_PAD, Int8Activations, empty_records
 from ninfer.kernels.attention import causal_attention
 from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
 from ninfer.kernels.fp8_linear import e4m3_to_fp32
+from ninfer.kernels.fused import sigmoid_mul
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
+
+if triton is not None:
+    from ninfer.kernels.activation_quant import store_records
 
 SCALE_GROUP = 64  # dims per int8/fp8 scale
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -354,13 +361,34 @@ if triton is not None:
         return tile.to(dtype)
 
     @triton.jit
+    def _store_output(o, b, head, row_ok, out_ptr, stride_ob, gate_ptr, stride_gate, records_ptr, record_count,
+                      HEAD_DIM: tl.constexpr, GATE: tl.constexpr, QUANTIZE: tl.constexpr):
+        """Store o `[R, HEAD_DIM]` fp32, the outputs of heads `head` `[R]` of sequence b (rows where `row_ok`), in
+        out's dtype at out `[B, heads · HEAD_DIM]`. With GATE, y = o · sigmoid(gate) instead, rounded as
+        `fused.sigmoid_mul` rounds (o to the dtype, then the sigmoid, then the product); with QUANTIZE also y's
+        int8 records (a head is HEAD_DIM / 32 whole blocks of the row)."""
+        lanes = head[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        y = o.to(out_ptr.dtype.element_ty)
+        if GATE:
+            g = tl.load(gate_ptr + b * stride_gate + lanes, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            y = (y * (1.0 / (1.0 + tl.exp(-g))).to(y.dtype)).to(y.dtype)
+        tl.store(out_ptr + b * stride_ob + lanes, y, mask=row_ok[:, None])
+        if QUANTIZE:
+            per_head: tl.constexpr = HEAD_DIM // 32
+            tile_blocks: tl.constexpr = o.shape[0] * per_head
+            blocks = head[:, None] * per_head + tl.arange(0, per_head)[None, :]
+            blocks = tl.where(row_ok[:, None], blocks, record_count)  # padding rows: past the records, not stored
+            store_records(tl.reshape(y.to(tl.float32), [tile_blocks, 32]), records_ptr + b * record_count * 12,
+                          tl.reshape(blocks, [tile_blocks]), record_count)
+
+    @triton.jit
     def _paged_decode_kernel(q_ptr, key_pages, value_pages, key_scales, value_scales, table_ptr, lengths_ptr,
-                             out_ptr, partial_out, partial_max, partial_sum, stride_qb, stride_qh, stride_ob,
-                             stride_oh, stride_table, stride_page, stride_row, stride_head, scale_stride_page,
-                             scale_stride_row, scale_stride_head, qk_scale, splits, heads,
-                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             out_ptr, partial_out, partial_max, partial_sum, gate_ptr, records_ptr, stride_qb,
+                             stride_qh, stride_ob, stride_gate, record_count, stride_table, stride_page, stride_row,
+                             stride_head, scale_stride_page, scale_stride_row, scale_stride_head, qk_scale, splits,
+                             heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              PAGE: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-                             IEEE: tl.constexpr, PDL: tl.constexpr):
+                             IEEE: tl.constexpr, GATE: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -405,12 +433,14 @@ if triton is not None:
             tl.store(partial_sum + part, running_sum, mask=row_ok)
         else:
             o = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-            tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
+            _store_output(o, b, head, row_ok, out_ptr, stride_ob, gate_ptr, stride_gate, records_ptr, record_count,
+                          HEAD_DIM, GATE, QUANTIZE)
 
     @triton.jit
-    def _merge_splits_kernel(partial_out, partial_max, partial_sum, out_ptr, stride_ob, stride_oh, splits, heads,
-                             HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+    def _merge_splits_kernel(partial_out, partial_max, partial_sum, out_ptr, gate_ptr, records_ptr, stride_ob,
+                             stride_gate, record_count, splits, heads, HEAD_DIM: tl.constexpr,
+                             SPLITS_PAD: tl.constexpr, GATE: tl.constexpr, QUANTIZE: tl.constexpr,
+                             PDL: tl.constexpr):
         wait_for_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -425,23 +455,33 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         acc = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :], mask=used[:, None], other=0.0)
         o = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+        head = h + tl.arange(0, 1)
+        _store_output(o[None, :], b, head, head < heads, out_ptr, stride_ob, gate_ptr, stride_gate, records_ptr,
+                      record_count, HEAD_DIM, GATE, QUANTIZE)
 
 
 def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, key_scales: Tensor | None,
                            value_scales: Tensor | None, block_table: Tensor, lengths: Tensor, scale: float,
-                           max_length: int | None = None) -> Tensor:
-    """One query per sequence attending to its cached positions 0 … lengths[b] − 1 (its own already written).
+                           max_length: int | None = None, *, gate: Tensor | None = None,
+                           quantize: bool = False) -> Tensor | Int8Activations:
+    """One query per sequence attending to its cached positions 0 … lengths[b] − 1 (its own already written),
+    optionally followed by the attention output gate.
 
     Math: per query head h with kv head `h // (heads // kvh)`: `o = Σ_s p_s v_s`, `p = softmax_s(scale · q·k_s)`
     with k, v dequantised (x̂ = code · scale, rounded to q's dtype), the scores, softmax and sums in fp32, p
     rounded to q's dtype before meeting v (as flash attention does; `causal_attention` also rounds the scores).
+    With `gate`: `y = o · sigmoid(gate)` over the heads' concatenation, the same bits as
+    `fused.sigmoid_mul(o.view(B, -1), gate, quantize)` (o rounded to q's dtype, then the sigmoid, then the
+    product); with `quantize` also y's int8 records, equal to `sigmoid_mul`'s.
 
     Shapes: q `[B, heads, hd]` (fp32/bf16/fp16, stride 1 on hd), heads a multiple of kvh; the cache as in the
     module docstring; block_table `[B, max_pages]` int32; lengths `[B]` int32 with 1 ≤ lengths[b] ≤ max_length
     (a host bound, default max_pages · PAGE, that fixes the number of splits — `decode_split_plan`; each sequence
-    divides its own length among them on the device; a length of 0 gives zeros). Returns `[B, heads, hd]` in q's
-    dtype. No host synchronisation; scratch sized from host ints only.
+    divides its own length among them on the device; a length of 0 gives zeros); gate `[B, heads · hd]` (any row
+    stride, stride 1 along a row). Returns o `[B, heads, hd]` in q's dtype; with `gate`, y `[B, heads · hd]` in
+    q's dtype, as `Int8Activations(y, records)` with `quantize` (made in the output's kernel when heads · hd is a
+    multiple of LANE_PAD, else by `sigmoid_mul` after it). No host synchronisation; scratch sized from host ints
+    only.
     """
     if triton is None:
         raise RuntimeError("paged_attention_decode needs the triton package")
@@ -454,11 +494,24 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
     if block_table.dim() != 2 or block_table.shape[0] != batch or lengths.shape != (batch,):
         raise ValueError(f"paged_attention_decode: block_table {list(block_table.shape)} and lengths "
                          f"{list(lengths.shape)} must have B = {batch} rows")
+    width = heads * head_dim
+    if gate is not None and (gate.shape != (batch, width) or gate.stride(1) != 1 or gate.device != q.device):
+        raise ValueError(f"paged_attention_decode: gate {list(gate.shape)} (strides {gate.stride()}) on "
+                         f"{gate.device} must be [{batch}, {width}] with stride 1 along rows, on {q.device}")
+    if quantize and gate is None:
+        raise ValueError("paged_attention_decode: quantize makes the records of the gated output; pass a gate")
+    # the records of a row are whole heads only when no padding block follows them (hd is a multiple of 32)
+    fuse_gate = gate is not None and (not quantize or width % LANE_PAD == 0)
     max_length = block_table.shape[1] * page if max_length is None else max_length
     splits = decode_split_plan(kv_heads, max_length, q.device)
     group = heads // kv_heads
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    partial_out = partial_max = partial_sum = out  # unused pointers without splits
+    records_here = fuse_gate and quantize
+    out = torch.empty((batch, width), dtype=q.dtype, device=q.device)
+    # out stands for the pointers a launch does not use: no gate, no records, no splits
+    gate_in = gate if fuse_gate else out
+    records = empty_records(batch, width, q.device) if records_here else out
+    record_count = records.shape[1] if records_here else 0
+    partial_out = partial_max = partial_sum = out
     if splits > 1:
         partial_out = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         partial_max = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
@@ -467,13 +520,19 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
     scales = (key_scales, value_scales) if mode else pools  # unused pointers for float pages
     scale_strides = key_scales.stride()[:3] if mode else (0, 0, 0)
     _paged_decode_kernel[(batch, kv_heads, splits)](
-        q, *pools, *scales, block_table, lengths, out, partial_out, partial_max, partial_sum,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), *key_pages.stride()[:3],
-        *scale_strides, scale * math.log2(math.e), splits, heads, GROUP=group,
+        q, *pools, *scales, block_table, lengths, out, partial_out, partial_max, partial_sum, gate_in, records,
+        q.stride(0), q.stride(1), out.stride(0), gate_in.stride(0), record_count, block_table.stride(0),
+        *key_pages.stride()[:3], *scale_strides, scale * math.log2(math.e), splits, heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page, BLOCK_S=BLOCK_POSITIONS,
-        QUANT=mode, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4, **pdl_options(q.device))
+        QUANT=mode, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, GATE=fuse_gate, QUANTIZE=records_here,
+        num_warps=4, **pdl_options(q.device))
     if splits > 1:
         _merge_splits_kernel[(batch, heads)](
-            partial_out, partial_max, partial_sum, out, out.stride(0), out.stride(1), splits, heads,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4, **pdl_options(q.device))
-    return out
+            partial_out, partial_max, partial_sum, out, gate_in, records, out.stride(0), gate_in.stride(0),
+            record_count, splits, heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits),
+            GATE=fuse_gate, QUANTIZE=records_here, num_warps=4, **pdl_options(q.device))
+    if gate is None:
+        return out.view(batch, heads, head_dim)
+    if not fuse_gate:  # records with a padding block: `sigmoid_mul` makes them
+        return sigmoid_mul(out, gate, quantize=True)
+    return Int8Activations(out, records) if quantize else out
