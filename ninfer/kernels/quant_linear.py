@@ -511,10 +511,20 @@ if triton is not None:
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (lanes < K)[None, :])
 
 
-def _planes(data: torch.Tensor, shape: tuple[int, int], fmt: str) -> tuple:
+def _groupwise_codec(fmt: str) -> GroupwiseCodec:
     codec = codec_for(fmt)
     if not isinstance(codec, GroupwiseCodec):
         raise ValueError(f"{fmt} is not a groupwise format")
+    return codec
+
+
+def _check_features(features: int, k: int) -> None:
+    if features != k:
+        raise ValueError(f"x has {features} features, the matrix {k}")
+
+
+def _planes(data: torch.Tensor, shape: tuple[int, int], fmt: str) -> tuple:
+    codec = _groupwise_codec(fmt)
     planes = codec.planes(shape)
     n = shape[0]
     base = data[: n * planes[0].row_bytes].view(torch.int32)
@@ -569,7 +579,10 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     per turn of its loop, 1 or 2 each (default `batch_pipeline`). None of them changes a result's bits."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
-    acts = x if isinstance(x, Int8Activations) else quantize_activations(_checked_tokens(x, experts is None))
+    if not isinstance(x, Int8Activations):  # refused before the quantization's launch: no kernel sees bad input
+        _groupwise_codec(fmt)
+        _check_features(_checked_tokens(x, experts is None).shape[1], shape[1])
+    acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     product = _Product(acts, data, shape, fmt, out, out_dtype, experts, expert_rows)
     route = route or gemv_route(product.k_pad, experts is not None)
     if route not in ("token", "batch"):
@@ -636,8 +649,7 @@ class _Product:
         self.codec, self.base, self.high, self.scales, self.planes = _planes(data, shape, fmt)
         self.tokens = _checked_tokens(acts.source, experts is None).shape[0]
         self.n, k = shape if experts is None else (expert_rows, shape[1])
-        if acts.shape[1] != k:
-            raise ValueError(f"x has {acts.shape[1]} features, the matrix {k}")
+        _check_features(acts.shape[1], k)
         self.gpr = self.codec.groups_per_row(k)
         self.k_pad = self.gpr * self.codec.group
         if acts.blocks.shape[1] * 32 < self.k_pad:
