@@ -89,6 +89,14 @@ if triton is not None:
             store_tile_records(y, records_ptr, row, record_count, BLOCK)
 
     @triton.jit
+    def output_gate(x, g):
+        """x · sigmoid(g) as the attention output gate rounds it: the sigmoid in fp32, rounded to x's dtype, then
+        the product rounded to it. Shared with the paged-decode kernels that gate their own output (the same
+        bits)."""
+        sig = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(x.dtype)
+        return (x * sig).to(x.dtype)
+
+    @triton.jit
     def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, records_ptr, D, stride_x, stride_gate, record_count,
                             QUANTIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
@@ -96,9 +104,7 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < D
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-        g = tl.load(gate_ptr + row * stride_gate + cols, mask=ok, other=0.0).to(tl.float32)
-        sig = (1.0 / (1.0 + tl.exp(-g))).to(x.dtype)
-        y = (x * sig).to(x.dtype)
+        y = output_gate(x, tl.load(gate_ptr + row * stride_gate + cols, mask=ok, other=0.0))
         tl.store(out_ptr + row * D + cols, y, mask=ok)
         if QUANTIZE:  # this tile's whole 32-lane blocks (BLOCK is a multiple of 128): their int8 records
             store_tile_records(y, records_ptr, row, record_count, BLOCK)

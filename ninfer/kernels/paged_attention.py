@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 if triton is not None:
     from ninfer.kernels.activation_quant import store_records
+    from ninfer.kernels.fused import output_gate
 
 SCALE_GROUP = 64  # dims per int8/fp8 scale
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -364,14 +365,13 @@ if triton is not None:
     def _store_output(o, b, head, row_ok, out_ptr, stride_ob, gate_ptr, stride_gate, records_ptr, record_count,
                       HEAD_DIM: tl.constexpr, GATE: tl.constexpr, QUANTIZE: tl.constexpr):
         """Store o `[R, HEAD_DIM]` fp32, the outputs of heads `head` `[R]` of sequence b (rows where `row_ok`), in
-        out's dtype at out `[B, heads · HEAD_DIM]`. With GATE, y = o · sigmoid(gate) instead, rounded as
-        `fused.sigmoid_mul` rounds (o to the dtype, then the sigmoid, then the product); with QUANTIZE also y's
+        out's dtype at out `[B, heads · HEAD_DIM]`. With GATE, y = o · sigmoid(gate) instead, o rounded to the dtype
+        first and then gated by `fused.output_gate` (`sigmoid_mul`'s bits); with QUANTIZE also y's
         int8 records (a head is HEAD_DIM / 32 whole blocks of the row)."""
         lanes = head[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
         y = o.to(out_ptr.dtype.element_ty)
         if GATE:
-            g = tl.load(gate_ptr + b * stride_gate + lanes, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            y = (y * (1.0 / (1.0 + tl.exp(-g))).to(y.dtype)).to(y.dtype)
+            y = output_gate(y, tl.load(gate_ptr + b * stride_gate + lanes, mask=row_ok[:, None], other=0.0))
         tl.store(out_ptr + b * stride_ob + lanes, y, mask=row_ok[:, None])
         if QUANTIZE:
             per_head: tl.constexpr = HEAD_DIM // 32
