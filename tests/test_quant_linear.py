@@ -151,17 +151,17 @@ def test_gemv_gives_a_token_the_same_bits_at_any_token_count(fmt, k):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_batch_pipeline_changes_no_bit(fmt, tokens):
-    """The batch route's tiles loaded ahead and K tiles per loop turn (`depth`, `unroll`) move loads, not sums:
-    every choice gives the same bits, equal to the oracle within rounding. Three K tiles: the unrolled loop has a
-    tile over, and the tile two ahead runs past the end."""
+    """The batch route's tiles loaded ahead and K tiles per loop turn (`depth`, `unroll`) move loads, and its `dp4a`
+    chains (`chain`) regroup exact integer sums: every choice gives the same bits, equal to the oracle within
+    rounding. Three K tiles: the unrolled loop has a tile over, and the tile two ahead runs past the end."""
     n, k = 9, 3072
     data, generator = _matrix(fmt, n, k, tokens + 11)
     x = torch.randn(tokens, k, generator=generator).to(DEVICE)
-    expected = quant_linear_gemv(x, data, (n, k), fmt, route="batch", depth=1, unroll=1)
+    expected = quant_linear_gemv(x, data, (n, k), fmt, route="batch", depth=1, unroll=1, chain=2)
     assert _relative(expected, quant_linear_reference(x, data, (n, k), fmt, int8_activations=True)) < RELATIVE_TOLERANCE
-    for depth, unroll in ((2, 1), (1, 2), (2, 2)):
-        got = quant_linear_gemv(x, data, (n, k), fmt, route="batch", depth=depth, unroll=unroll)
-        assert torch.equal(got, expected), f"depth {depth}, unroll {unroll}"
+    for depth, unroll, chain in ((2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 1, 4), (2, 1, 8)):
+        got = quant_linear_gemv(x, data, (n, k), fmt, route="batch", depth=depth, unroll=unroll, chain=chain)
+        assert torch.equal(got, expected), f"depth {depth}, unroll {unroll}, chain {chain}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

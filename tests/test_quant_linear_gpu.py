@@ -54,16 +54,16 @@ def test_gemv_on_cuda_equals_the_reference(name, tokens, dtype, block_n):
 @pytest.mark.parametrize("name", ["27b mlp/down", "mtp q8", "27b token head"])
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_batch_pipeline_on_cuda_changes_no_bit(name, tokens):
-    """Every (tiles loaded ahead, K tiles per loop turn) of the batch route gives the same bits on the GPU, where
-    the loads are inline `ld.global.nc` and the loop is really unrolled."""
+    """Every (tiles loaded ahead, K tiles per loop turn, `dp4a` per chain) of the batch route gives the same bits on
+    the GPU, where the loads are inline `ld.global.nc`, the loop is really unrolled and `dp4a` is the instruction."""
     n, k, fmt = SHAPES[name]
     generator = torch.Generator(device="cuda").manual_seed(tokens + 3)
     data = codec_for(fmt).encode(torch.randn(n, k, device="cuda", generator=generator) * 0.02)
     x = torch.randn(tokens, k, device="cuda", generator=generator)
-    expected = quant_linear_gemv(x, data, (n, k), fmt, depth=1, unroll=1)
-    for depth, unroll in ((2, 1), (1, 2), (2, 2)):
-        assert torch.equal(quant_linear_gemv(x, data, (n, k), fmt, depth=depth, unroll=unroll), expected), \
-            f"{name} T={tokens}: depth {depth}, unroll {unroll}"
+    expected = quant_linear_gemv(x, data, (n, k), fmt, depth=1, unroll=1, chain=2)
+    for depth, unroll, chain in ((2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 1, 4), (1, 1, 8), (2, 1, 8)):
+        got = quant_linear_gemv(x, data, (n, k), fmt, depth=depth, unroll=unroll, chain=chain)
+        assert torch.equal(got, expected), f"{name} T={tokens}: depth {depth}, unroll {unroll}, chain {chain}"
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])

@@ -153,13 +153,13 @@ if triton is not None:
             else:
                 r = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
                                               is_pure=True, pack=1)
-        else:  # a, b `[T, BN, BLOCKS, 4]`: the bytes along a fifth axis (few wide ops: fast in the interpreter)
-            shifts = 8 * tl.arange(0, 4)[None, None, None, None, :]
-            a_bytes = (tl.expand_dims(a, 4) >> shifts) & 0xFF
+        else:  # the bytes along a new last axis (few wide ops: fast in the interpreter)
+            shifts = 8 * tl.arange(0, 4)
+            a_bytes = (tl.expand_dims(a, -1) >> shifts) & 0xFF
             if SIGNED:
                 a_bytes = (a_bytes ^ 0x80) - 0x80
-            b_bytes = (((tl.expand_dims(b, 4) >> shifts) & 0xFF) ^ 0x80) - 0x80
-            r = c + tl.sum(a_bytes * b_bytes, axis=4)
+            b_bytes = (((tl.expand_dims(b, -1) >> shifts) & 0xFF) ^ 0x80) - 0x80
+            r = c + tl.sum(a_bytes * b_bytes, axis=-1)
         return r
 
     @triton.jit
@@ -256,13 +256,50 @@ if triton is not None:
         return r
 
     @triton.jit
-    def _exact_float(dots, x_sum, OFFSET: tl.constexpr):
-        """The block dot products D = dots − OFFSET · x_sum (exact int32, |D| < 2^22) as exact fp32, by the magic
-        number 1.5 · 2^23: the bits 0x4B400000 + D are the float 1.5 · 2^23 + D, from which one FADD takes
-        1.5 · 2^23. The offset and the magic bits fold into one term per token (shared by a program's rows), in
-        place of an IMAD per value and the int → float conversion, an instruction that runs at 1/8 of the FMA
-        rate (docs/performance.md)."""
-        return (dots + (0x4B400000 - OFFSET * x_sum)).to(tl.float32, bitcast=True) - 12582912.0
+    def _quads(t):
+        """The 4 words along the last axis of a 4-D t (one thread's, in every layout of the GEMVs) as 4 tensors of
+        t's other axes."""
+        a, b = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], t.shape[2], 2, 2]))
+        q0, q2 = tl.split(a)
+        q1, q3 = tl.split(b)
+        return q0, q1, q2, q3
+
+    @triton.jit
+    def _block_dots(even, odd, record, word, OFFSET: tl.constexpr, CHAIN: tl.constexpr, SIGNED: tl.constexpr,
+                    ASM: tl.constexpr):
+        """The block dot products D = Σ code · x − OFFSET · x_sum (exact int32, |D| < 2^22) as exact fp32, and the x
+        scales, from the weight quads (even, odd) and the activation records at `record` (even quads, odd quads,
+        then scale bits, sum, 0, 0: word offsets 0, 4, 8 along the last axis, `word` = 0..3 there), 4-D tensors that
+        broadcast to one shape with the 4 units last. The int → float step is the magic number 1.5 · 2^23: the
+        bits 0x4B400000 + D are the float 1.5 · 2^23 + D, from which one FADD takes 1.5 · 2^23, in place of the
+        conversion instruction (1/8 of the FMA rate; docs/performance.md); the offset and the magic bits fold into
+        one term per token, `start`, shared by a program's rows. CHAIN is the `dp4a` a dependent chain holds: 2
+        (even and odd of each unit, then a sum over the units plus `start`), 4 (units 0-1 from `start`, units 2-3,
+        one add) or 8 (one chain from `start`: no adds, a longer dependence). int32 sums are exact in any order, so
+        CHAIN never changes a bit; which one schedules best depends on the format and the tile (`batch_chain`)."""
+        if CHAIN == 2:
+            dots = _dp4a(even, tl.load(record), 0, SIGNED, ASM)
+            dots = _dp4a(odd, tl.load(record + 4), dots, SIGNED, ASM)
+        meta = tl.load(record + 8)
+        x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
+        start = 0x4B400000 - OFFSET * tl.sum(tl.where(word == 1, meta, 0), axis=3)
+        if CHAIN == 2:
+            c = tl.sum(dots, axis=3) + start
+        else:
+            e0, e1, e2, e3 = _quads(even)
+            o0, o1, o2, o3 = _quads(odd)
+            x0, x1, x2, x3 = _quads(tl.load(record))
+            y0, y1, y2, y3 = _quads(tl.load(record + 4))
+            c = _dp4a(e0, x0, start, SIGNED, ASM)
+            c = _dp4a(o0, y0, c, SIGNED, ASM)
+            c = _dp4a(e1, x1, c, SIGNED, ASM)
+            c = _dp4a(o1, y1, c, SIGNED, ASM)
+            half = _dp4a(e2, x2, 0 if CHAIN == 4 else c, SIGNED, ASM)
+            half = _dp4a(o2, y2, half, SIGNED, ASM)
+            half = _dp4a(e3, x3, half, SIGNED, ASM)
+            half = _dp4a(o3, y3, half, SIGNED, ASM)
+            c = c + half if CHAIN == 4 else half
+        return c.to(tl.float32, bitcast=True) - 12582912.0, x_scale
 
     @triton.jit
     def _row_and_token_tiles(program, N, T, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -302,12 +339,8 @@ if triton is not None:
             next_tile = _load_weights(base_ptr, high_ptr, scale_ptr, wrows, tl.minimum(k0 + BLOCK_K, k_last),
                                       row_words, high_row_units, gpr, BITS, GROUP, BLOCK_K)
             even, odd = _weight_quads(words, high, bias, BITS, ASM)
-            record = x_record + (k0 // 32) * 12
-            dots = _dp4a(even[None], tl.load(record), 0, BITS == 8, ASM)
-            dots = _dp4a(odd[None], tl.load(record + 4), dots, BITS == 8, ASM)
-            meta = tl.load(record + 8)  # scale bits, sum, 0, 0
-            x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
-            block_dots = _exact_float(tl.sum(dots, axis=3), tl.sum(tl.where(word == 1, meta, 0), axis=3), OFFSET)
+            block_dots, x_scale = _block_dots(even[None], odd[None], x_record + (k0 // 32) * 12, word, OFFSET, 2,
+                                              BITS == 8, ASM)
             acc += block_dots * (w_scale[None, :, :] * x_scale)
             words, high, w_scale = next_tile
         tl.store(out_base + rows[None, :], _pairwise_sum(acc, BLOCKS), mask=row_ok[None, :])
@@ -315,12 +348,12 @@ if triton is not None:
     @triton.jit
     def _gemv_batch_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad,
                            row_words, high_row_words, gpr, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
-                           BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr, CHAIN: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for one matrix (`_batch_program`)."""
         _batch_program(tl.program_id(0), x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad,
                        row_words, high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
-                       BLOCK_T, DEPTH, UNROLL, ASM, PDL)
+                       BLOCK_T, DEPTH, UNROLL, CHAIN, ASM, PDL)
 
     @triton.jit
     def _gemv_batch_pair_kernel(x_blocks_ptr, T, x_block_count, programs,
@@ -329,8 +362,9 @@ if triton is not None:
                                 base2_ptr, high2_ptr, scale2_ptr, out2_ptr, N2, k_pad2, row_words2, high_row_words2,
                                 gpr2, stride_out2, bias2,
                                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
-                                UNROLL: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
+                                UNROLL: tl.constexpr, CHAIN: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
                                 BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr,
+                                CHAIN2: tl.constexpr,
                                 BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for two matrices that read the same x, in one launch: the first `programs` programs are
         the first matrix's, the rest the second's, each exactly a program of `_gemv_batch_kernel` (the same bits).
@@ -340,24 +374,25 @@ if triton is not None:
         if program < programs:
             _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
                            high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
-                           BLOCK_T, DEPTH, UNROLL, ASM, PDL)
+                           BLOCK_T, DEPTH, UNROLL, CHAIN, ASM, PDL)
         else:
             _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
                            k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
-                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, ASM, PDL)
+                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, CHAIN2, ASM, PDL)
 
     @triton.jit
     def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
                        high_row_words, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DEPTH: tl.constexpr,
-                       UNROLL: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                       UNROLL: tl.constexpr, CHAIN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """Program `program` of the batch route: BLOCK_T tokens × BLOCK_N rows. Every tensor is block-major
         ([BLOCKS, …, 4] with the 4 words of a block's units last), and Triton's layout then puts the blocks across
         the warp's lanes and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
         `[BLOCKS, 1, BN, 4]` broadcast in place (checked with `scripts/compile_kernels.py --resources`: no shared
         memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp). DEPTH (1 or 2) weight
         tiles are loaded ahead, kept as loaded until used; the K loop is unrolled UNROLL times (2: the tile loaded
-        ahead lands in the registers it is used from, where a loop-carried copy would wait for the load)."""
+        ahead lands in the registers it is used from, where a loop-carried copy would wait for the load). CHAIN: the
+        `dp4a` per dependent chain (`_block_dots`)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         rows, row_ok, safe_rows, tokens = _row_and_token_tiles(program, N, T, BLOCK_N, BLOCK_T)
@@ -382,12 +417,8 @@ if triton is not None:
                                      row_words, high_row_words, gpr, BITS, GROUP, BLOCK_K, ASM)
             units, scale = _block_units(high, w_scale, BITS)
             even, odd = _weight_quads(words, units, bias, BITS, ASM)
-            record = x_record + (k0 // 32) * 12
-            dots = _dp4a(even, tl.load(record), 0, BITS == 8, ASM)
-            dots = _dp4a(odd, tl.load(record + 4), dots, BITS == 8, ASM)
-            meta = tl.load(record + 8)
-            x_scale = tl.sum(tl.where(word == 0, meta, 0), axis=3).to(tl.float32, bitcast=True)
-            block_dots = _exact_float(tl.sum(dots, axis=3), tl.sum(tl.where(word == 1, meta, 0), axis=3), OFFSET)
+            block_dots, x_scale = _block_dots(even, odd, x_record + (k0 // 32) * 12, word, OFFSET, CHAIN, BITS == 8,
+                                              ASM)
             acc += block_dots * (tl.reshape(scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
             if DEPTH == 2:
                 words, high, w_scale = words2, high2, w_scale2
@@ -568,7 +599,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
                       num_warps: int | None = None, out: torch.Tensor | None = None,
                       route: str | None = None, block_t: int | None = None,
-                      depth: int | None = None, unroll: int | None = None) -> torch.Tensor:
+                      depth: int | None = None, unroll: int | None = None, chain: int | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
@@ -576,7 +607,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `route` ("token" or "batch"; default
     `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per
     program of the batch route (default BATCH_TOKENS); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
-    per turn of its loop, 1 or 2 each (default `batch_pipeline`). None of them changes a result's bits."""
+    per turn of its loop, 1 or 2 each (default `batch_pipeline`); `chain`: its `dp4a` per dependent chain, 2, 4 or 8
+    (default `batch_chain`). None of them changes a result's bits."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     if not isinstance(x, Int8Activations):  # refused before the quantization's launch: no kernel sees bad input
@@ -592,8 +624,10 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     block_k = block_k or gemv_block_k(product.k_pad, route)
     if product.k_pad % block_k:
         raise ValueError(f"block_k {block_k} does not divide the padded K of {product.k_pad}")
+    if chain not in (None, 2, 4, 8):
+        raise ValueError(f"a dp4a chain holds 2, 4 or 8 products, not {chain}")
     if route == "batch":
-        programs, args, constants = product.batch(block_n, block_t, depth, unroll)
+        programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain)
         _gemv_batch_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], *args, **constants,
                                         BLOCK_K=block_k, BLOCK_T=block_t or product.block_t, ASM=ASM,
                                         num_warps=num_warps or 1, **pdl_options(data.device))
@@ -663,10 +697,10 @@ class _Product:
                              f"{list(out.shape)} strides {out.stride()} on {out.device}")
         self.out = out
         self.bias = 0 if self.codec.bits == 8 else 0x01010101 << (self.codec.bits - 1)  # the code offset per byte
-        self.block_t = min(BATCH_TOKENS, triton.next_power_of_2(self.tokens))
+        self.block_t = batch_block_t(self.tokens, self.codec.bits, self.k_pad)
 
     def batch(self, block_n: int | None = None, block_t: int | None = None, depth: int | None = None,
-              unroll: int | None = None) -> tuple[int, tuple, dict]:
+              unroll: int | None = None, chain: int | None = None) -> tuple[int, tuple, dict]:
         """The batch route's launch for this product: (programs, the kernel's per-matrix arguments, its per-matrix
         constants)."""
         bits = self.codec.bits
@@ -679,7 +713,7 @@ class _Product:
         args = (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
                 self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
         constants = {"BITS": bits, "GROUP": self.codec.group, "BLOCK_N": block_n, "DEPTH": depth or default_depth,
-                     "UNROLL": unroll or default_unroll}
+                     "UNROLL": unroll or default_unroll, "CHAIN": chain or batch_chain(self.tokens, bits)}
         return programs, args, constants
 
 
@@ -696,10 +730,31 @@ def batch_pipeline(tokens: int, rows: int, k_pad: int, bits: int) -> tuple[int, 
     return (2, 1) if tokens >= 4 and rows <= 12288 and bits != 8 else (1, 1)
 
 
+def batch_chain(tokens: int, bits: int) -> int:
+    """The batch route's `dp4a` per dependent chain (`_block_dots`) from 8 tokens on: 8 for q6 (the head), whose
+    unpacking gives the scheduler other work beside the long chains, 4 for q5; else, and below 8 tokens, 2. From the
+    H200 sweep at 8 tokens (`scripts/device/gemv_bench.py --quick --tokens 8 --chain 2,4,8`, docs/performance.md).
+    It never changes a bit."""
+    if tokens < 8:
+        return 2
+    return {6: 8, 5: 4}.get(bits, 2)
+
+
 def batch_block_n(tokens: int, bits: int) -> int:
-    """Rows per program of the batch route: 2 for one token and for q5 matrices, else 4 (the H200 sweep's best at
-    T = 1, 2, 4, 8, 16; docs/performance.md). Rows never change a result's bits."""
-    return 2 if tokens == 1 or bits == 5 else 4
+    """Rows per program of the batch route: 2 for one token and for q5 matrices below 8 tokens, else 4 (the H200
+    sweeps' best at T = 1, 2, 4, 8, 16, the q5 one at 8 tokens with `batch_chain`'s chains; docs/performance.md).
+    Rows never change a result's bits."""
+    return 2 if tokens == 1 or (bits == 5 and tokens < 8) else 4
+
+
+def batch_block_t(tokens: int, bits: int, k_pad: int) -> int:
+    """Tokens per program of the batch route: up to BATCH_TOKENS, except 4 for q5 matrices with K ≥ 6,144 from 8
+    tokens on (27B down and GDN output: two programs per row tile, the second reading the weights from L2, beat
+    one holding all 8 tokens' records; the H200 sweep at 8 tokens, docs/performance.md). Tokens per program never
+    change a result's bits."""
+    if bits == 5 and tokens >= 8 and k_pad >= 6144:
+        return 4
+    return min(BATCH_TOKENS, triton.next_power_of_2(tokens))
 
 
 def group_pairs(expert_ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,10 @@ timed calls, as the runner shares it between matrices.
 Routes (`quant_linear_gemv(route=…)`): "token" (one token per program, the gathered MoE experts' route) and "batch"
 (a tile of tokens per program, weights unpacked once for all of them).
 With `--depth 1,2` and / or `--unroll 1,2` the batch route runs its default tile with each count of weight tiles
-loaded ahead (`depth`) and of K tiles per turn of its loop (`unroll`) instead of the tile sweep.
-Usage: python3 scripts/device/gemv_bench.py [--quick] [--only NAME-PART] [--tokens 1,8] [--depth 1,2] [--unroll 1,2]"""
+loaded ahead (`depth`) and of K tiles per turn of its loop (`unroll`) instead of the tile sweep; `--chain 2,4,8`
+runs every batch tile with each count of `dp4a` per dependent chain.
+Usage: python3 scripts/device/gemv_bench.py [--quick] [--only NAME-PART] [--tokens 1,8] [--depth 1,2] [--unroll 1,2]
+       [--chain 2,4,8]"""
 
 import itertools
 import sys
@@ -43,8 +45,9 @@ def _ints(flag: str) -> list[int | None]:
     return [int(v) for v in sys.argv[sys.argv.index(flag) + 1].split(",")] if flag in sys.argv else [None]
 
 
-variants = list(itertools.product(_ints("--depth"), _ints("--unroll")))  # (depth, unroll); None = the default
-pipeline_sweep = variants != [(None, None)]  # then the batch route's default tile only, at each (depth, unroll)
+# (depth, unroll, chain); None = the default
+variants = list(itertools.product(_ints("--depth"), _ints("--unroll"), _ints("--chain")))
+pipeline_sweep = "--depth" in sys.argv or "--unroll" in sys.argv  # then the batch route's default tile only
 # (route, BLOCK_N, warps, tokens per program); None = the route's default
 TOKEN_TILES = [("token", 2, 1, None), ("token", 4, 2, None)]
 BATCH_TILES = [("batch", n, w, None) for n, w in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (16, 4))]
@@ -72,14 +75,14 @@ for name, n, k, fmt, gathered in SHAPES:
         if token_counts and tokens not in token_counts:
             continue
         acts = quantize_activations(torch.randn(1 if gathered else tokens, k, device="cuda", dtype=torch.bfloat16))
-        for (route, block_n, warps, block_t), (depth, unroll) in itertools.product(tiles, variants):
-            if (route == "batch" and default_route != "batch") or (route == "token" and pipeline_sweep):
+        for (route, block_n, warps, block_t), (depth, unroll, chain) in itertools.product(tiles, variants):
+            if (route == "batch" and default_route != "batch") or (route == "token" and (pipeline_sweep or chain)):
                 continue
             rotation = itertools.cycle(copies)
             kwargs = dict(block_n=block_n, out_dtype=torch.bfloat16, experts=experts, expert_rows=n,
                           x_per_slot=gathered or 1, num_warps=warps, route=route, block_t=block_t)
             if route == "batch":
-                kwargs.update(depth=depth, unroll=unroll)
+                kwargs.update(depth=depth, unroll=unroll, chain=chain)
 
             def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, kwargs=kwargs):
                 return quant_linear_gemv(acts, next(rotation), shape, fmt, **kwargs)
@@ -88,7 +91,8 @@ for name, n, k, fmt, gathered in SHAPES:
             fraction = read / (us / 1e6) / bandwidth
             key = (name, tokens)
             tile = f"{route} BN={block_n or 'default'} warps={warps or 'default'} tokens/program={block_t or 'default'}"
-            tile += "" if route == "token" else f" depth={depth or 'default'} unroll={unroll or 'default'}"
+            tile += "" if route == "token" else (f" depth={depth or 'default'} unroll={unroll or 'default'}"
+                                                 f" chain={chain or 'default'}")
             if key not in best or fraction > best[key][0]:
                 best[key] = (fraction, us, tile)
             print(f"{name:28s} T={tokens:2d} {tile}: {us:8.1f} us {fraction:5.0%} of the limit", flush=True)
