@@ -4,15 +4,19 @@ tensors while each kernel's launch is intercepted, and the recorded arguments be
 compiler rejects (unsigned/negative shifts, statements after a return in a constexpr branch, unsupported types on
 an older architecture). Prints one line per kernel and target; exits 1 when any fails.
 
-Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources]   (TRITON_INTERPRET must be unset)
+Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources] [--opcodes] [--only REGEX]
+(TRITON_INTERPRET must be unset)
 `--resources` adds each kernel's registers, spill stack and shared memory per thread block (cuobjdump) and the
 length of its longest loop (nvdisasm), the first things to look at when a kernel is slower than its memory traffic
-predicts.
+predicts; `--opcodes` adds that loop's instruction count per opcode; `--only` compiles the launches whose label
+(name and constants) matches. The registers and the schedule depend on the Triton version: to read what the GPU
+machine runs, put that version first on PYTHONPATH (`pip install --target DIR triton==3.6.0`; docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -176,10 +180,10 @@ def _resources(cubin: bytes) -> str:
     return f"  [registers {found.get('REG', '?')}, stack {found.get('STACK', '?')}, shared {found.get('SHARED', '?')}]"
 
 
-def _longest_loop(cubin: bytes) -> str:
+def _longest_loop(cubin: bytes, opcodes: bool) -> str:
     """Instructions in the kernel's longest loop body (from the first instruction after a label to a backward branch
     to it), from `nvdisasm` (bundled with triton): divided by the weights a thread handles per iteration, the
-    instructions per weight that bound a GEMV."""
+    instructions per weight that bound a GEMV. With `opcodes`, also their count per opcode (IDP, LOP3, …)."""
     import triton.backends.nvidia as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
@@ -188,19 +192,25 @@ def _longest_loop(cubin: bytes) -> str:
         handle.flush()
         lines = subprocess.run([tool, "-c", handle.name], capture_output=True, text=True).stdout.splitlines()
     labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"\s*\.L_x_\d+:", line)}
-    longest = 0
+    longest: list[str] = []
     for i, line in enumerate(lines):
         branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if branch and labels.get(branch.group(1), i) < i:
-            body = lines[labels[branch.group(1)] : i + 1]
-            longest = max(longest, sum(1 for b in body if re.match(r"\s*/\*[0-9a-f]{4}\*/", b)))
-    return f", loop {longest} instructions"
+            body = [b for b in lines[labels[branch.group(1)] : i + 1] if re.match(r"\s*/\*[0-9a-f]{4}\*/", b)]
+            longest = max(longest, body, key=len)
+    text = f", loop {len(longest)} instructions"
+    if opcodes:  # "/*0f80*/  @!P0 MOV.64 R1, R2 ;" counts as MOV
+        names = (re.sub(r"^\s*/\*[0-9a-f]{4}\*/\s*(@!?U?P\w+\s+)?", "", b).split()[0].split(".")[0] for b in longest)
+        text += " " + str(dict(collections.Counter(names).most_common()))
+    return text
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated")
     parser.add_argument("--resources", action="store_true", help="print registers, stack and shared memory")
+    parser.add_argument("--opcodes", action="store_true", help="with --resources: the longest loop's opcodes")
+    parser.add_argument("--only", default="", help="compile the launches whose label matches this regex")
     args = parser.parse_args()
     _record_all()
     failed = 0
@@ -211,11 +221,13 @@ def main() -> int:
                 values = values | {"PDL": capability >= 90}
             signature, constexprs, attrs = _signature(kernel, values)
             label = ", ".join(f"{k}={v}" for k, v in values.items() if (kernel.arg_names.index(k),) in constexprs)
+            if not re.search(args.only, f"{name}({label})"):
+                continue
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                           options={"num_warps": options.get("num_warps", 4)})
                 cubin = compiled.asm["cubin"]
-                extra = _resources(cubin) + _longest_loop(cubin) if args.resources else ""
+                extra = _resources(cubin) + _longest_loop(cubin, args.opcodes) if args.resources else ""
                 print(f"sm_{capability} ok      {name}({label}){extra}")
             except Exception as exc:  # report every failure, then exit 1
                 failed += 1
