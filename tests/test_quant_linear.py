@@ -177,14 +177,16 @@ def test_both_routes_give_the_same_bits_at_the_same_k_tile(fmt, tokens, n, k):
     assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, route="batch", block_k=block_k), expected)
 
 
-@pytest.mark.parametrize(("formats", "tokens"), [(("q4_g64_fp16", "q5_g64_fp16"), 1),
-                                                 (("q6_g64_fp16", "q8_g32_fp16"), 3),
-                                                 (("q5_g64_fp16", "q4_g64_fp16"), 11)])
-def test_a_gemv_pair_gives_each_product_the_bits_of_its_own_launch(formats, tokens):
+@pytest.mark.parametrize(("formats", "tokens", "k"), [(("q4_g64_fp16", "q5_g64_fp16"), 1, 2048),
+                                                      (("q6_g64_fp16", "q8_g32_fp16"), 3, 2048),
+                                                      (("q5_g64_fp16", "q4_g64_fp16"), 11, 2048),
+                                                      (("q5_g64_fp16", "q4_g64_fp16"), 9, 6144)])
+def test_a_gemv_pair_gives_each_product_the_bits_of_its_own_launch(formats, tokens, k):
     """Two matrices of one input in one launch (the GDN's q|k and v|z, attention's q|k and gate|v): each result
-    equals its separate GEMV bit for bit, whatever the formats (their tiles and pipelines differ), and lands in the
-    given columns of a shared buffer without touching the others."""
-    k, shapes = 2048, [(40, 2048), (72, 2048)]
+    equals its separate GEMV bit for bit, whatever the formats (their tiles, pipelines and tokens per program
+    differ: q5 at K = 6,144 from 8 tokens takes 4 a program alone), and lands in the given columns of a shared
+    buffer without touching the others."""
+    shapes = [(40, k), (72, k)]
     matrices = [_matrix(fmt, n, k, 17 + i)[0] for i, (fmt, (n, _)) in enumerate(zip(formats, shapes, strict=True))]
     generator = torch.Generator().manual_seed(tokens)
     acts = quantize_activations(torch.randn(tokens, k, generator=generator).to(DEVICE))

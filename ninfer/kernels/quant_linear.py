@@ -659,11 +659,12 @@ def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple) -> t
     if any(gemv_route(p.k_pad) != "batch" for p in products):
         raise ValueError("a GEMV pair takes two matrices of the batch route (padded K a multiple of "
                          f"{BATCH_BLOCK_K}), not K = {[p.k_pad for p in products]}")
-    (programs, args, constants), (programs2, args2, constants2) = (p.batch() for p in products)
+    block_t = min(p.block_t for p in products)  # one token tile for the launch (it never changes a bit)
+    (programs, args, constants), (programs2, args2, constants2) = (p.batch(block_t=block_t) for p in products)
     _gemv_batch_pair_kernel[(programs + programs2,)](
         x.blocks, products[0].tokens, x.blocks.shape[1], programs, *args, *args2, **constants,
         **{name + "2": value for name, value in constants2.items()}, BLOCK_K=BATCH_BLOCK_K,
-        BLOCK_T=products[0].block_t, ASM=ASM, num_warps=1, **pdl_options(x.blocks.device))
+        BLOCK_T=block_t, ASM=ASM, num_warps=1, **pdl_options(x.blocks.device))
     return products[0].out, products[1].out
 
 
