@@ -4,13 +4,15 @@ tensors while each kernel's launch is intercepted, and the recorded arguments be
 compiler rejects (unsigned/negative shifts, statements after a return in a constexpr branch, unsupported types on
 an older architecture). Prints one line per kernel and target; exits 1 when any fails.
 
-Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources] [--opcodes] [--only REGEX]
+Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources] [--opcodes] [--only REGEX] [--set K=V,…]
 (TRITON_INTERPRET must be unset)
 `--resources` adds each kernel's registers, spill stack and shared memory per thread block (cuobjdump) and the
 length of its longest loop (nvdisasm), the first things to look at when a kernel is slower than its memory traffic
 predicts; `--opcodes` adds that loop's instruction count per opcode; `--only` compiles the launches whose label
-(name and constants) matches. The registers and the schedule depend on the Triton version: to read what the GPU
-machine runs, put that version first on PYTHONPATH (`pip install --target DIR triton==3.6.0`; docs/performance.md).
+(name and constants) matches; `--set` overrides integer constants of the launches that have them (e.g.
+`DEPTH=1,CHAIN=8`: a variant the recorded wrapper calls do not pick). The registers and the schedule depend on
+the Triton version: to read what the GPU machine runs, put that version first on PYTHONPATH (`pip install --target
+DIR triton==3.6.0`; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -211,12 +213,15 @@ def main() -> int:
     parser.add_argument("--resources", action="store_true", help="print registers, stack and shared memory")
     parser.add_argument("--opcodes", action="store_true", help="with --resources: the longest loop's opcodes")
     parser.add_argument("--only", default="", help="compile the launches whose label matches this regex")
+    parser.add_argument("--set", default="", help="K=V,…: integer constants to override where a launch has them")
     args = parser.parse_args()
     _record_all()
+    overrides = {key: int(value) for key, value in (item.split("=") for item in args.set.split(",") if item)}
     failed = 0
     for capability in (int(c) for c in args.targets.split(",")):
         target = GPUTarget("cuda", capability, 32)
         for name, kernel, values, options in launches:
+            values = values | {key: value for key, value in overrides.items() if key in values}
             if "PDL" in values:  # programmatic dependent launch where the target has it (sm_90+)
                 values = values | {"PDL": capability >= 90}
             signature, constexprs, attrs = _signature(kernel, values)
