@@ -245,15 +245,14 @@ if triton is not None:
 
     @triton.jit
     def _pairwise_sum(values, WIDTH: tl.constexpr):
-        """Σ over the last axis (WIDTH, a power of 2) of a 3-D tensor by a binary tree of adjacent pairs: lanes 2b
-        and 2b + 1, then again — a fixed order whatever the layout, so a row's sum does not depend on the tensor's
-        other dimensions (the token count), and the order in which the tensor-core route, which walks the block
-        positions one pair after another, adds its sums (`_fold_pair`)."""
+        """Σ over the last axis (WIDTH, a power of 2) of a 3-D tensor by halving: lane b + WIDTH / 2 onto lane b,
+        then again — a fixed order whatever the layout, so a row's sum does not depend on the tensor's other
+        dimensions (the token count)."""
         if WIDTH == 1:
             r = tl.sum(values, axis=2)
         else:
-            pairs = tl.reshape(values, [values.shape[0], values.shape[1], WIDTH // 2, 2])
-            r = _pairwise_sum(tl.sum(pairs, axis=3), WIDTH // 2)
+            pairs = tl.reshape(values, [values.shape[0], values.shape[1], 2, WIDTH // 2])
+            r = _pairwise_sum(tl.sum(pairs, axis=2), WIDTH // 2)
         return r
 
     @triton.jit
@@ -477,269 +476,6 @@ if triton is not None:
         return high, scale.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _opaque(values, ASM: tl.constexpr):
-        """`values` unchanged, through an inline move on NVIDIA GPUs: the compiler no longer sees how they were
-        computed, so addresses made from them look uncontiguous and their loads keep the tensor's one element a
-        thread (the tensor-core route's lane roles) instead of being vectorized into another layout."""
-        if ASM:
-            values = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [values], dtype=tl.int32, is_pure=True,
-                                               pack=1)
-        return values
-
-    @triton.jit
-    def _fragment_bytes(values, WARPS: tl.constexpr, SIGNED: tl.constexpr):
-        """A warp-wide `mma` operand register `[WARPS · 32]` as `[WARPS, 8 (lane // 4), 4 (lane % 4), 4 bytes]`
-        (emulation only)."""
-        b = (tl.expand_dims(tl.reshape(values, [WARPS, 8, 4]), 3) >> (8 * tl.arange(0, 4))) & 0xFF
-        if SIGNED:
-            b = (b ^ 0x80) - 0x80
-        return b
-
-    @triton.jit
-    def _mma_m16n8k32(a0, a1, a2, a3, b0, b1, c_even, c_odd, SIGNED: tl.constexpr, WARPS: tl.constexpr,
-                      ASM: tl.constexpr):
-        """D = A · B + C of one int8 `mma.sync.m16n8k32` per warp, its operands one element a lane (`[WARPS · 32]`,
-        lane l = 4g + t of each warp): A (16 × 32, unsigned bytes, signed with SIGNED) row g from a0 (k = 4t..4t+3)
-        and a2 (k = 16 + 4t..), row g + 8 from a1 and a3; B (32 × 8, signed bytes) column g from b0 (k = 4t..) and b1
-        (k = 16 + 4t..); C[m][2t] = c_even, C[m][2t + 1] = c_odd of lane (g, t) for m = g, g + 8. Returns lane (g, t)'s
-        D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1] (exact int32). The PTX fragment layout of
-        `mma.m16n8k32` for 8-bit types; emulated with integer ops under the interpreter and on other backends."""
-        if ASM:
-            types: tl.constexpr = "s8.s8" if SIGNED else "u8.s8"
-            d0, d1, d2, d3 = tl.inline_asm_elementwise(
-                f"mma.sync.aligned.m16n8k32.row.col.s32.{types}.s32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
-                "{$8, $9}, {$10, $11, $10, $11};",
-                "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1, c_even, c_odd],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-        else:  # [warp, row g, column n] sums over (lane t', byte) of the two k halves
-            x0 = tl.expand_dims(_fragment_bytes(b0, WARPS, True), 1)
-            x1 = tl.expand_dims(_fragment_bytes(b1, WARPS, True), 1)
-            low = tl.sum(tl.sum(tl.expand_dims(_fragment_bytes(a0, WARPS, SIGNED), 2) * x0
-                                + tl.expand_dims(_fragment_bytes(a2, WARPS, SIGNED), 2) * x1, axis=4), axis=3)
-            high = tl.sum(tl.sum(tl.expand_dims(_fragment_bytes(a1, WARPS, SIGNED), 2) * x0
-                                 + tl.expand_dims(_fragment_bytes(a3, WARPS, SIGNED), 2) * x1, axis=4), axis=3)
-            low_even, low_odd = tl.split(tl.reshape(low, [WARPS, 8, 4, 2]))
-            high_even, high_odd = tl.split(tl.reshape(high, [WARPS, 8, 4, 2]))
-            d0 = tl.reshape(low_even, [WARPS * 32]) + c_even
-            d1 = tl.reshape(low_odd, [WARPS * 32]) + c_odd
-            d2 = tl.reshape(high_even, [WARPS * 32]) + c_even
-            d3 = tl.reshape(high_odd, [WARPS * 32]) + c_odd
-        return d0, d1, d2, d3
-
-    @triton.jit
-    def _unit_load(ptrs, BITS: tl.constexpr, ASM: tl.constexpr):
-        """The BITS-bit (8, 16 or 32) unsigned integers at `ptrs` (read-only data) as int32: `_load_bits` with the
-        zero extension done explicitly off NVIDIA GPUs."""
-        if ASM:
-            values = _load_bits(ptrs, BITS, ASM)
-        else:
-            values = tl.load(ptrs).to(tl.int32) & (0xFF if BITS == 8 else 0xFFFF if BITS == 16 else -1)
-        return values
-
-    @triton.jit
-    def _pair_load(ptrs, ASM: tl.constexpr):
-        """The two 32-bit words at `ptrs` (8-byte aligned) as int32, one vector load on NVIDIA GPUs."""
-        if ASM:
-            first, second = tl.inline_asm_elementwise("ld.global.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [ptrs],
-                                                      dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-        else:
-            first = tl.load(ptrs)
-            second = tl.load(ptrs + 1)
-        return first, second
-
-    @triton.jit
-    def _signed_quads(words, high, BITS: tl.constexpr):
-        """A base word's even and odd lanes (`_weight_quads`' order) as signed byte quads of code · 2^(8 − BITS): the
-        two's-complement code moved to the top of each byte (the high plane's bits above the nibble), so the
-        tensor-core route's `mma` needs no offset term; the weight scale takes the 2^(BITS − 8)."""
-        if BITS == 4:  # (masks as int32: 0xF0F0F0F0)
-            even = (words << 4) & -0x0F0F0F10
-            odd = words & -0x0F0F0F10
-        elif BITS == 5:  # bit i of the high byte is bit 4 of lane i: to bit 7 of its byte
-            even = ((words << 3) & 0x78787878) | (((high & 0x55) * 0x2082080) & -0x7F7F7F80)
-            odd = ((words >> 1) & 0x78787878) | (((high & 0xAA) * 0x1041040) & -0x7F7F7F80)
-        else:  # q6: bits 2i, 2i + 1 of the high unit are bits 4, 5 of lane i: to bits 6, 7 of its byte
-            even = ((words & 0x0F0F0F0F) | _spread_q6_pairs(high)) << 2
-            odd = (((words >> 4) & 0x0F0F0F0F) | _spread_q6_pairs(high >> 2)) << 2
-        return even, odd
-
-    @triton.jit
-    def _mma_pair_weights(words_lo, words_hi, high_lo, high_hi, scales_lo, scales_hi, units, pair: tl.constexpr,
-                          BITS: tl.constexpr, ASM: tl.constexpr):
-        """A lane's weights for the block positions 2·pair, 2·pair + 1 of its warp's range in the K tile whose first
-        unit is `units` (relative to the lane's pointers, which hold 8-lane unit t of rows lo and hi): base words of
-        rows lo, hi at both positions, their high units (the words again without a high plane), the fp16 bits of the
-        pair's one scale (64-lane groups) of rows lo, hi."""
-        u = units + pair * 8
-        w_lo0 = _load_bits(words_lo + u, 32, ASM)
-        w_hi0 = _load_bits(words_hi + u, 32, ASM)
-        w_lo1 = _load_bits(words_lo + u + 4, 32, ASM)
-        w_hi1 = _load_bits(words_hi + u + 4, 32, ASM)
-        if BITS == 5 or BITS == 6:
-            h_lo0 = _unit_load(high_lo + u, 8 if BITS == 5 else 16, ASM)
-            h_hi0 = _unit_load(high_hi + u, 8 if BITS == 5 else 16, ASM)
-            h_lo1 = _unit_load(high_lo + u + 4, 8 if BITS == 5 else 16, ASM)
-            h_hi1 = _unit_load(high_hi + u + 4, 8 if BITS == 5 else 16, ASM)
-        else:
-            h_lo0 = w_lo0
-            h_hi0 = w_hi0
-            h_lo1 = w_lo1
-            h_hi1 = w_hi1
-        groups = units // 8 + pair  # a 64-lane group is 8 units
-        s_lo = _unit_load(scales_lo + groups, 16, ASM)
-        s_hi = _unit_load(scales_hi + groups, 16, ASM)
-        return w_lo0, w_hi0, h_lo0, h_hi0, w_lo1, w_hi1, h_lo1, h_hi1, s_lo, s_hi
-
-    @triton.jit
-    def _mma_tile_weights(words_lo, words_hi, high_lo, high_hi, scales_lo, scales_hi, tile, PAIRS: tl.constexpr,
-                          BITS: tl.constexpr, ASM: tl.constexpr):
-        """A lane's weights of K tile `tile` for its warp's PAIRS pairs of block positions (`_mma_pair_weights`)."""
-        units = tile * (1024 // 8)
-        p0 = _mma_pair_weights(words_lo, words_hi, high_lo, high_hi, scales_lo, scales_hi, units, 0, BITS, ASM)
-        if PAIRS >= 2:
-            p1 = _mma_pair_weights(words_lo, words_hi, high_lo, high_hi, scales_lo, scales_hi, units, 1, BITS, ASM)
-        else:
-            p1 = p0
-        return p0, p1
-
-    @triton.jit
-    def _mma_activations(x_record, x_meta0, x_meta1, block):
-        """A lane's activations for block `block` (relative to its pointers): token g's even and odd quads of unit t
-        (B), the x scales of tokens 2t and 2t + 1 (C's columns)."""
-        step = block * 12
-        x_even = tl.load(x_record + step)
-        x_odd = tl.load(x_record + step + 4)
-        scale0 = tl.load(x_meta0 + step).to(tl.float32, bitcast=True)
-        scale1 = tl.load(x_meta1 + step).to(tl.float32, bitcast=True)
-        return x_even, x_odd, scale0, scale1
-
-    @triton.jit
-    def _mma_block(acc, w_lo, w_hi, h_lo, h_hi, w_lo_scale, w_hi_scale, x, magic, BITS: tl.constexpr,
-                   WARPS: tl.constexpr, ASM: tl.constexpr):
-        """One 32-lane block of the 16-row stripe: its exact dots for 16 rows × 8 tokens, scaled by 2^(8 − BITS), in
-        one `mma` (A: `_signed_quads`; B: the activation quads; C: the magic number 0x4B400000, so that D's bits are
-        the float 1.5 · 2^23 + dot, exactly), then acc += dot · (w_scale · x_scale) per row and token with the
-        scales taking the 2^(BITS − 8): exactly `_batch_program`'s float steps (a power of two moves between the
-        factors of a product without changing its rounding). acc: the lane's (row lo, token 2t), (lo, 2t + 1),
-        (hi, 2t), (hi, 2t + 1)."""
-        x_even, x_odd, scale0, scale1 = x
-        even_lo, odd_lo = _signed_quads(w_lo, h_lo, BITS)
-        even_hi, odd_hi = _signed_quads(w_hi, h_hi, BITS)
-        d0, d1, d2, d3 = _mma_m16n8k32(even_lo, even_hi, odd_lo, odd_hi, x_even, x_odd, magic, magic, True,
-                                       WARPS, ASM)
-        return (acc[0] + d0.to(tl.float32) * (w_lo_scale * scale0),
-                acc[1] + d1.to(tl.float32) * (w_lo_scale * scale1),
-                acc[2] + d2.to(tl.float32) * (w_hi_scale * scale0),
-                acc[3] + d3.to(tl.float32) * (w_hi_scale * scale1))
-
-    @triton.jit
-    def _mma_pair(acc_even, acc_odd, weights, x_record, x_meta0, x_meta1, block, magic, BITS: tl.constexpr,
-                  WARPS: tl.constexpr, ASM: tl.constexpr):
-        """The two blocks of one pair of positions (`block`, block + 1) with their weights (`_mma_pair_weights`)."""
-        w_lo0, w_hi0, h_lo0, h_hi0, w_lo1, w_hi1, h_lo1, h_hi1, s_lo, s_hi = weights
-        UNSCALE: tl.constexpr = 1.0 / (1 << (8 - BITS))
-        w_lo_scale = s_lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * UNSCALE
-        w_hi_scale = s_hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * UNSCALE
-        acc_even = _mma_block(acc_even, w_lo0, w_hi0, h_lo0, h_hi0, w_lo_scale, w_hi_scale,
-                              _mma_activations(x_record, x_meta0, x_meta1, block), magic, BITS, WARPS, ASM)
-        acc_odd = _mma_block(acc_odd, w_lo1, w_hi1, h_lo1, h_hi1, w_lo_scale, w_hi_scale,
-                             _mma_activations(x_record, x_meta0, x_meta1, block + 1), magic, BITS, WARPS, ASM)
-        return acc_even, acc_odd
-
-    @triton.jit
-    def _sum4(a, b):
-        return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
-
-    @triton.jit
-    def _warp_tree(values, WARPS: tl.constexpr):
-        """`_pairwise_sum`'s tree over the warps of a `[WARPS · 32]` tensor (warps 2w and 2w + 1, then again):
-        `[32]`, one value per lane."""
-        r = tl.reshape(values, [WARPS, 32])
-        if WARPS >= 2:
-            r = tl.sum(tl.reshape(r, [WARPS // 2, 2, 32]), axis=1)
-        if WARPS >= 4:
-            r = tl.sum(tl.reshape(r, [WARPS // 4, 2, 32]), axis=1)
-        if WARPS >= 8:
-            r = tl.sum(tl.reshape(r, [WARPS // 8, 2, 32]), axis=1)
-        if WARPS >= 16:
-            r = tl.sum(tl.reshape(r, [WARPS // 16, 2, 32]), axis=1)
-        return tl.reshape(r, [32])
-
-    @triton.jit
-    def _gemv_mma_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad,
-                         row_words, high_row_units, gpr, stride_out, BITS: tl.constexpr, WARPS: tl.constexpr,
-                         DEPTH: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-        """The batch route on tensor cores (q4/q5/q6, 64-lane groups): a program computes 16 rows × 8 tokens; warp w
-        owns the block positions [Q·w, Q·w + Q) of every BATCH_BLOCK_K-lane K tile (Q = 32 / WARPS: 2 or 4) and
-        walks the tiles, one int8 `mma.m16n8k32` per block (`_mma_block`), the weights of the tile DEPTH ahead in
-        flight; the positions' sums are then added in `_pairwise_sum`'s tree, within the lane, then across the
-        warps (`_warp_tree`). Every tensor is `[WARPS · 32]`: one element a thread, the element's index its lane
-        role. The same bits as `_gemv_batch_kernel`."""
-        LANES: tl.constexpr = WARPS * 32
-        Q: tl.constexpr = 32 // WARPS  # block positions per warp
-        PAIRS: tl.constexpr = Q // 2
-        element = _opaque(tl.arange(0, LANES), ASM)
-        first = (element // 32) * Q  # the warp's first block position
-        lane = element % 32
-        g = lane // 4
-        t = lane % 4
-        token_tiles = tl.cdiv(T, 8)
-        row0 = (tl.program_id(0) // token_tiles) * 16
-        token0 = (tl.program_id(0) % token_tiles) * 8
-        row_lo = tl.minimum(row0 + g, N - 1).to(tl.int64)
-        row_hi = tl.minimum(row0 + 8 + g, N - 1).to(tl.int64)
-        unit = first * 4 + t
-        words_lo = base_ptr + row_lo * row_words + unit
-        words_hi = base_ptr + row_hi * row_words + unit
-        high_lo = high_ptr + row_lo * high_row_units + unit
-        high_hi = high_ptr + row_hi * high_row_units + unit
-        scales_lo = scale_ptr + row_lo * gpr + first // 2
-        scales_hi = scale_ptr + row_hi * gpr + first // 2
-        # B's column g: token g's quads of unit t; C's columns 2t, 2t + 1: their scales (record word 8)
-        x_record = x_blocks_ptr + (tl.minimum(token0 + g, T - 1).to(tl.int64) * x_block_count + first) * 12 + t
-        x_meta0 = x_blocks_ptr + (tl.minimum(token0 + 2 * t, T - 1).to(tl.int64) * x_block_count + first) * 12 + 8
-        x_meta1 = x_blocks_ptr + (tl.minimum(token0 + 2 * t + 1, T - 1).to(tl.int64) * x_block_count + first) * 12 \
-            + 8
-        magic = tl.zeros([LANES], dtype=tl.int32)
-        tiles = k_pad // 1024  # BATCH_BLOCK_K
-        zero = tl.zeros([LANES], dtype=tl.float32)
-        acc0 = (zero, zero, zero, zero)
-        acc1 = (zero, zero, zero, zero)
-        acc2 = (zero, zero, zero, zero)
-        acc3 = (zero, zero, zero, zero)
-        w0 = _mma_tile_weights(words_lo, words_hi, high_lo, high_hi, scales_lo, scales_hi, 0, PAIRS, BITS, ASM)
-        if DEPTH >= 2:
-            w1 = _mma_tile_weights(words_lo, words_hi, high_lo, high_hi, scales_lo, scales_hi,
-                                   tl.minimum(1, tiles - 1), PAIRS, BITS, ASM)
-        wait_for_inputs(PDL)  # the first weight tiles stream while the kernel before this one finishes
-        for tile in tl.range(0, tiles, loop_unroll_factor=UNROLL):
-            ahead = _mma_tile_weights(words_lo, words_hi, high_lo, high_hi, scales_lo, scales_hi,
-                                      tl.minimum(tile + DEPTH, tiles - 1), PAIRS, BITS, ASM)
-            block = tile * 32
-            acc0, acc1 = _mma_pair(acc0, acc1, w0[0], x_record, x_meta0, x_meta1, block, magic, BITS, WARPS, ASM)
-            if PAIRS >= 2:
-                acc2, acc3 = _mma_pair(acc2, acc3, w0[1], x_record, x_meta0, x_meta1, block + 2, magic, BITS, WARPS,
-                                       ASM)
-            if DEPTH == 2:
-                w0 = w1
-                w1 = ahead
-            else:
-                w0 = ahead
-        total = _sum4(acc0, acc1)  # the tree within the lane: positions (0, 1), (2, 3), then the pairs
-        if PAIRS >= 2:
-            total = _sum4(total, _sum4(acc2, acc3))
-        out_lane = tl.arange(0, 32)
-        rows = row0 + out_lane // 4
-        tokens = token0 + 2 * (out_lane % 4)
-        out = out_ptr + tokens.to(tl.int64) * stride_out + rows
-        ok0 = tokens < T
-        ok1 = tokens + 1 < T
-        tl.store(out, _warp_tree(total[0], WARPS), mask=ok0 & (rows < N))
-        tl.store(out + stride_out, _warp_tree(total[1], WARPS), mask=ok1 & (rows < N))
-        tl.store(out + 8, _warp_tree(total[2], WARPS), mask=ok0 & (rows + 8 < N))
-        tl.store(out + stride_out + 8, _warp_tree(total[3], WARPS), mask=ok1 & (rows + 8 < N))
-
-    @triton.jit
     def _grouped_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr, pairs_ptr, N, k_pad, row_words,
                         high_row_units, gpr, stride_x, stride_out, num_experts, BITS: tl.constexpr,
                         GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -881,10 +617,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     product = _Product(acts, data, shape, fmt, out, out_dtype, experts, expert_rows)
     route = route or gemv_route(product.k_pad, experts is not None)
-    if route == "batch" and block_n is None and ASM and product.codec.bits != 8 \
-            and product.tokens >= int(os.environ.get("NINFER_MMA_TOKENS", "1000")):
-        route = "mma"
-    if route not in ("token", "batch", "mma"):
+    if route not in ("token", "batch"):
         raise ValueError(f"unknown GEMV route {route!r}")
     if route != "token" and experts is not None:
         raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
@@ -893,19 +626,6 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         raise ValueError(f"block_k {block_k} does not divide the padded K of {product.k_pad}")
     if chain not in (None, 2, 4, 8):
         raise ValueError(f"a dp4a chain holds 2, 4 or 8 products, not {chain}")
-    if route == "mma":
-        codec, n = product.codec, product.n
-        warps = num_warps or int(os.environ.get("NINFER_MMA_WARPS", "8"))
-        depth = depth or int(os.environ.get("NINFER_MMA_DEPTH", "2"))
-        unroll = unroll or int(os.environ.get("NINFER_MMA_UNROLL", "1"))
-        programs = triton.cdiv(n, 16) * triton.cdiv(product.tokens, 8)
-        _gemv_mma_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], product.base, product.high,
-                                      product.scales.view(torch.int16), product.out, n, product.k_pad,
-                                      product.planes[0].row_bytes // 4, _high_row_units(codec, product.planes),
-                                      product.gpr, product.out.stride(0), BITS=codec.bits,
-                                      WARPS=warps, DEPTH=depth or 2, UNROLL=unroll or 1, ASM=ASM, num_warps=warps,
-                                      **pdl_options(data.device))
-        return product.out
     if route == "batch":
         programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain)
         _gemv_batch_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], *args, **constants,
