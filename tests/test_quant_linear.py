@@ -180,12 +180,13 @@ def test_both_routes_give_the_same_bits_at_the_same_k_tile(fmt, tokens, n, k):
 @pytest.mark.parametrize(("formats", "tokens", "k"), [(("q4_g64_fp16", "q5_g64_fp16"), 1, 2048),
                                                       (("q6_g64_fp16", "q8_g32_fp16"), 3, 2048),
                                                       (("q5_g64_fp16", "q4_g64_fp16"), 11, 2048),
+                                                      (("q4_g64_fp16", "q5_g64_fp16"), 8, 5120),
                                                       (("q5_g64_fp16", "q4_g64_fp16"), 9, 6144)])
 def test_a_gemv_pair_gives_each_product_the_bits_of_its_own_launch(formats, tokens, k):
-    """Two matrices of one input in one launch (the GDN's q|k and v|z, attention's q|k and gate|v): each result
-    equals its separate GEMV bit for bit, whatever the formats (their tiles, pipelines and tokens per program
-    differ: q5 at K = 6,144 from 8 tokens takes 4 a program alone), and lands in the given columns of a shared
-    buffer without touching the others."""
+    """Two matrices of one input in one launch (the GDN's q|k and v|z, attention's q|k and gate|v, in decode steps
+    of up to 8 rows): each result equals its separate GEMV bit for bit, whatever the formats (their tiles,
+    pipelines and tokens per program differ: q5 at K = 6,144 from 8 tokens takes 4 a program alone), and lands in
+    the given columns of a shared buffer without touching the others."""
     shapes = [(40, k), (72, k)]
     matrices = [_matrix(fmt, n, k, 17 + i)[0] for i, (fmt, (n, _)) in enumerate(zip(formats, shapes, strict=True))]
     generator = torch.Generator().manual_seed(tokens)

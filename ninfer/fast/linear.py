@@ -57,8 +57,9 @@ def shared_input(x: torch.Tensor | Int8Activations, readers: list[PackedLinear])
     return x
 
 
-# steps of up to this many tokens run two GEMVs of one input in one launch (`project`); measured on the H200
-PAIRED_GEMV_TOKENS = 1
+# steps of up to this many tokens run two GEMVs of one input in one launch (`project`); measured on the H200 at 1
+# and 8 tokens (docs/performance.md)
+PAIRED_GEMV_TOKENS = 8
 
 
 def shares_launch(x: torch.Tensor | Int8Activations, first: PackedLinear, second: PackedLinear) -> bool:
@@ -69,11 +70,12 @@ def shares_launch(x: torch.Tensor | Int8Activations, first: PackedLinear, second
 
 def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
             outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """x through each of `readers` (into `outs[i]` where given, as `PackedLinear.__call__`). In a one-token step,
-    consecutive readers that both take the integer GEMV's batch route share one launch (`quant_linear_gemv_pair`):
-    neither waits for the other to finish, and the results have the bits of separate calls. With more tokens the
-    pair's kernel holds the registers of the larger of its two (27B q|k and v|z at 8 tokens: 202 against 168 for
-    v|z alone), which measured slower than two launches (docs/performance.md)."""
+    """x through each of `readers` (into `outs[i]` where given, as `PackedLinear.__call__`). In a step of up to
+    PAIRED_GEMV_TOKENS tokens, consecutive readers that both take the integer GEMV's batch route share one launch
+    (`quant_linear_gemv_pair`): neither waits for the other to finish, and the results have the bits of separate
+    calls. As two launches in two graph branches, the smaller product (q|k) queued behind the larger one's programs
+    and ended after it (27B, 8 tokens); the pair's kernel holds the registers of the larger of its two (v|z at 8
+    tokens: 242 alone, 244 paired), which costs q|k less than that wait (docs/performance.md)."""
     outs = outs or [None] * len(readers)
     results: list[torch.Tensor] = []
     i = 0
