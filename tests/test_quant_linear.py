@@ -19,7 +19,6 @@ from ninfer.kernels.activation_quant import (
     quantize_activations,
     quantize_activations_reference,
 )
-from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.quant_linear import (
     dequantize,
     group_pairs,
@@ -206,34 +205,6 @@ def test_a_gemv_pair_gives_each_product_the_bits_of_its_own_launch(formats, toke
         short = _matrix("q4_g64_fp16", 8, 640, 3)[0]
         acts_640 = quantize_activations(torch.randn(1, 640, generator=generator).to(DEVICE))
         quant_linear_gemv_pair(acts_640, (short, (8, 640), "q4_g64_fp16", None), (short, (8, 640), "q4_g64_fp16", None))
-
-
-@pytest.mark.parametrize(("tokens", "k", "dtype"), [(3, 2048, torch.float32), (1, 5120, torch.bfloat16)])
-def test_a_dense_product_rides_in_the_pair_with_the_dense_gemvs_bits(tokens, k, dtype):
-    """A GDN layer's a/b projection (a small dense matrix of the activation dtype) in the launch of its q|k and v|z
-    GEMVs: its result is `dense_linear_gemv(pairwise=True)`'s bit for bit in x's dtype (so a token's a/b does not
-    depend on whether it rode in the pair: eager steps and longer verify steps take the dense GEMV), row tiles that
-    run past N are masked, K past the chunks' last whole one is padded with zeros (5,120 of 8,192 lanes), and the two
-    GEMVs keep their own bits."""
-    formats, shapes = ("q4_g64_fp16", "q5_g64_fp16"), [(40, k), (72, k)]
-    matrices = [_matrix(fmt, n, k, 23 + i)[0] for i, (fmt, (n, _)) in enumerate(zip(formats, shapes, strict=True))]
-    generator = torch.Generator().manual_seed(k + tokens)
-    source = torch.randn(tokens, k, generator=generator).to(dtype).to(DEVICE)
-    weight = (torch.randn(98, k, generator=generator) / k**0.5).to(dtype).to(DEVICE)  # 98: a partial row tile
-    acts = quantize_activations(source)
-    *products, dense = quant_linear_gemv_pair(acts, *((data, shape, fmt, None) for data, shape, fmt
-                                                      in zip(matrices, shapes, formats, strict=True)),
-                                              dense=(weight, None))
-    assert dense.dtype == dtype and dense.shape == (tokens, 98)
-    assert torch.equal(dense, dense_linear_gemv(source, weight, dtype, pairwise=True))
-    exact = source.double() @ weight.double().T
-    assert torch.allclose(dense.double(), exact, rtol=BF16_ULP, atol=BF16_ULP * exact.abs().max().item())
-    for got, data, shape, fmt in zip(products, matrices, shapes, formats, strict=True):
-        assert torch.equal(got, quant_linear_gemv(acts, data, shape, fmt, out_dtype=torch.float32))
-    with pytest.raises(ValueError, match="dense product takes W"):
-        quant_linear_gemv_pair(acts, *((data, shape, fmt, None) for data, shape, fmt
-                                       in zip(matrices, shapes, formats, strict=True)),
-                               dense=(weight.to(torch.float16), None))
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.kernels.activation_quant import Int8Activations, quantize_activations
-from ninfer.kernels.dense_linear import MAX_BLOCK_K, dense_linear_gemv
+from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fp8_linear import FORMAT as FP8_FORMAT
 from ninfer.kernels.fp8_linear import MAX_TOKENS as FP8_GEMV_TOKENS
 from ninfer.kernels.fp8_linear import fp8_block, fp8_linear_gemv, fp8_rows
@@ -69,23 +69,15 @@ def shares_launch(x: torch.Tensor | Int8Activations, first: PackedLinear, second
 
 
 def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
-            outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None,
-            dense: PackedLinear | None = None) -> list[torch.Tensor]:
+            outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """x through each of `readers` (into `outs[i]` where given, as `PackedLinear.__call__`). In a step of up to
     PAIRED_GEMV_TOKENS tokens, consecutive readers that both take the integer GEMV's batch route share one launch
     (`quant_linear_gemv_pair`): neither waits for the other to finish, and the results have the bits of separate
     calls. As two launches in two graph branches, the smaller product (q|k) queued behind the larger one's programs
     and ended after it (27B, 8 tokens); the pair's kernel holds the registers of the larger of its two (v|z at 8
-    tokens: 242 alone, 244 paired), which costs q|k less than that wait (docs/performance.md).
-    `dense`, a small dense matrix in x's activation dtype (`rides_in_pair`), joins the launch of the first two
-    readers, which must share one; its product, last in the results, has the bits of `dense_linear_gemv(pairwise=
-    True)` in x's dtype (a GDN layer's a/b projection: as a launch in a second graph branch, it ended after the
-    pair at 8 tokens, docs/performance.md)."""
+    tokens: 242 alone, 244 paired), which costs q|k less than that wait (docs/performance.md)."""
     outs = outs or [None] * len(readers)
-    if dense is not None and not (len(readers) >= 2 and shares_launch(x, *readers[:2]) and rides_in_pair(x, dense)):
-        raise ValueError("a dense product rides in the launch of two readers that share one, in x's dtype")
     results: list[torch.Tensor] = []
-    dense_result: list[torch.Tensor] = []
     i = 0
     while i < len(readers):
         pair = readers[i : i + 2]
@@ -93,23 +85,13 @@ def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
             targets = [out if out is not None else
                        torch.empty((x.shape[0], r.shape[0]), dtype=out_dtype or x.source.dtype, device=x.blocks.device)
                        for r, out in zip(pair, outs[i : i + 2], strict=True)]
-            riding = (dense.weight, None) if dense is not None and i == 0 else None
-            products = quant_linear_gemv_pair(x, *((r.data, r.shape, r.format, t)
-                                                   for r, t in zip(pair, targets, strict=True)), dense=riding)
-            results += products[:2]
-            dense_result += products[2:]
+            results += quant_linear_gemv_pair(x, *((r.data, r.shape, r.format, t)
+                                                   for r, t in zip(pair, targets, strict=True)))
             i += 2
         else:
             results.append(readers[i](x, out_dtype=out_dtype, out=outs[i]))
             i += 1
-    return results + dense_result
-
-
-def rides_in_pair(x: torch.Tensor | Int8Activations, dense: PackedLinear) -> bool:
-    """Whether the dense matrix `dense` may ride in the GEMV pair's launch over x (`project`): a dense-GEMV matrix
-    (`PackedLinear.route` "dense") in x's activation dtype with K ≤ MAX_BLOCK_K."""
-    return isinstance(x, Int8Activations) and dense.weight is not None and dense.weight.dtype == x.source.dtype \
-        and dense.weight.numel() <= DENSE_GEMV_MAX_ELEMENTS and dense.shape[1] <= MAX_BLOCK_K
+    return results
 
 
 def _source(x: torch.Tensor | Int8Activations) -> torch.Tensor:

@@ -32,15 +32,7 @@ from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory, synchronize
 from ninfer.fast.branches import Branches
 from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
-from ninfer.fast.linear import (
-    PackedLinear,
-    Scratch,
-    is_packed,
-    project,
-    rides_in_pair,
-    shared_input,
-    shares_launch,
-)
+from ninfer.fast.linear import PackedLinear, Scratch, is_packed, project, shared_input, shares_launch
 from ninfer.kernels.activation_quant import Int8Activations
 from ninfer.kernels.attention import prefill_attention
 from ninfer.kernels.conv1d import causal_conv1d
@@ -492,15 +484,13 @@ class FastQwen35:
         source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
         outs = [projected[:, :key_columns], projected[:, key_columns:]]
         one_launch = shares_launch(source, query_key, value_z)
-        if one_launch and rides_in_pair(source, a_b):  # q|k, v|z and a dense a/b in one launch
-            a_b = project(source, [query_key, value_z], outs, dense=a_b)[2]
-        else:  # the a/b projection, and q|k when it has a launch of its own, beside v|z
-            with self.branches.beside(self._independent(source, [query_key, value_z, a_b])):
-                if not one_launch:
-                    project(source, [query_key], outs[:1])
-                a_b = self._gdn_a_b(source, a_b)
-            project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
-            self.branches.join()
+        # the a/b projection, and q|k when it has a launch of its own, beside v|z
+        with self.branches.beside(self._independent(source, [query_key, value_z, a_b])):
+            if not one_launch:
+                project(source, [query_key], outs[:1])
+            a_b = self._gdn_a_b(source, a_b)
+        project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
+        self.branches.join()
         self._prefetch([prefix + "output"])
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],

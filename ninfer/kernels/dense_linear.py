@@ -31,33 +31,29 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 MAX_BLOCK_K = 8192  # lanes of K per step: 32 fp32 accumulators per thread at 8 warps
 
 if triton is not None:
-    from ninfer.kernels.fixed_order import pairwise_dot
+    from ninfer.kernels.fixed_order import pairwise_row_sum
 
     @triton.jit
     def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PAIRWISE: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PAIRWISE: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         rows, row_ok, safe_rows = row_tile(tl.program_id(0), N, BLOCK_N)
         token = tl.program_id(1).to(tl.int64)
-        if PAIRWISE:  # K in one tile of BLOCK_K lanes, summed in the fixed tree
-            total = pairwise_dot(w_ptr + safe_rows * stride_w, x_ptr + token * stride_x, K, BLOCK_K, CHUNK, 0)
-        else:
-            lanes = tl.arange(0, BLOCK_K)
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K):
-                k_ok = (k0 + lanes) < K
-                w = tl.load(w_ptr + safe_rows[:, None] * stride_w + (k0 + lanes)[None, :], mask=k_ok[None, :],
-                            other=0.0)
-                x = tl.load(x_ptr + token * stride_x + k0 + lanes, mask=k_ok, other=0.0)
-                acc = tl.fma(w.to(tl.float32), x.to(tl.float32)[None, :], acc)  # what `acc += w · x` compiles to
-            total = tl.sum(acc, axis=1)
+        lanes = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            k_ok = (k0 + lanes) < K
+            w = tl.load(w_ptr + safe_rows[:, None] * stride_w + (k0 + lanes)[None, :], mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + token * stride_x + k0 + lanes, mask=k_ok, other=0.0)
+            acc = tl.fma(w.to(tl.float32), x.to(tl.float32)[None, :], acc)  # what `acc += w · x` compiles to
+        total = pairwise_row_sum(acc, BLOCK_K) if PAIRWISE else tl.sum(acc, axis=1)
         tl.store(out_ptr + token * stride_out + rows, total, mask=row_ok)
 
 
 def dense_linear_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
                       pairwise: bool = False) -> torch.Tensor:
     """`[T, N]` (see the module docstring). With `pairwise` (K ≤ MAX_BLOCK_K) the row sums take the fixed tree of
-    `pairwise_dot` over one K tile: the bits of `gated_delta_decode`'s in-kernel a/b product."""
+    `pairwise_row_sum` over one K tile: the bits of `gated_delta_decode`'s in-kernel a/b product."""
     if triton is None:
         raise RuntimeError("the dense GEMV needs the triton package")
     tokens, k = x.shape
@@ -74,7 +70,7 @@ def dense_linear_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
         block_k = triton.next_power_of_2(k)
     _dense_gemv_kernel[(triton.cdiv(n, block_n), tokens)](x, weight, out, n, k, x.stride(0), weight.stride(0),
                                                          out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                         CHUNK=block_k, PAIRWISE=pairwise,
+                                                         PAIRWISE=pairwise,
                                                          num_warps=max(1, min(8, block_k // 512)),
                                                          **pdl_options(x.device))
     return out

@@ -5,11 +5,9 @@ finished, so every launch pays its start-up (scheduling its programs, their firs
 (`launch_pdl=True`), a kernel may be scheduled while the kernel before it still runs, and waits with
 `griddepcontrol.wait` until that kernel — and through it every earlier one — has finished and its writes are
 visible. The contract of every kernel launched with `pdl_options`: it calls `wait_for_inputs(PDL)` before it reads
-anything the kernel just before it wrote and before it writes anything. Loaded before it may be data no kernel
-writes (packed weights, norm weights: how a GEMV streams its first weight tile while the kernel before it
-finishes) and data whose last writer is at least two launches back: this kernel is scheduled only once every
-program of the kernel ahead has passed its own wait, so everything before that one has finished (the GDN delta
-rule's recurrent state, `gdn_decode`). `wait_for_inputs` also lets the next kernel be scheduled at once. Kernels launched without PDL (torch's,
+anything another kernel wrote and before it writes anything; only data no kernel writes (packed weights, norm
+weights) may be loaded before it, which is how a GEMV streams its first weight tile while the kernel before it
+finishes. `wait_for_inputs` also lets the next kernel be scheduled at once. Kernels launched without PDL (torch's,
 cuBLAS) keep the stream's full ordering on both sides. The method is NVIDIA's (CUDA programming guide,
 "Programmatic Dependent Launch and Synchronization"; Triton exposes it as `launch_pdl` and
 `tl.extra.cuda.gdc_wait` / `gdc_launch_dependents`). Off under the interpreter, on other backends and before sm_90:

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 if triton is not None:
     from ninfer.kernels.activation_quant import store_tile_records
-    from ninfer.kernels.fixed_order import pairwise_dot
+    from ninfer.kernels.fixed_order import pairwise_row_sum
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
 CONV_BLOCK_C = 256  # channels per conv program
@@ -86,6 +86,7 @@ if triton is not None:
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                                    L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
                                    AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
         head = tl.program_id(1)  # value head; it reads key head head // (V_HEADS // K_HEADS)
@@ -101,11 +102,7 @@ if triton is not None:
         head_tile = head * stride_s_head + ks[:, None] * stride_s_k + vs[None, :] * stride_s_v
         tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
-        # the state (and its slot) streams in while the conv ahead finishes: both were last written at least two
-        # launches back (the step's inputs, this layer's delta rule of an earlier step), which the PDL contract
-        # allows to be read before the wait (`dependent_launch`); at 8 sequences the state is the kernel's traffic
         S = tl.load(tile, mask=tile_ok, other=0.0)
-        wait_for_inputs(PDL)
         dtype = o_ptr.dtype.element_ty
         for t in tl.static_range(T):  # unrolled: a runtime loop carrying S spills more registers
             row = sequence * T + t
@@ -117,10 +114,14 @@ if triton is not None:
             k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
 
             if AB_DOT:  # the head's a and b rows of the projection, read with the row's input in one wave
+                lanes = tl.arange(0, AB_BLOCK)
                 ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
+                w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :], mask=(lanes < AB_K)[None, :],
+                            other=0.0)
+                x_row = tl.load(ab_x_ptr + row * stride_ab_x + lanes, mask=lanes < AB_K, other=0.0)
                 # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
-                a_b = pairwise_dot(ab_w_ptr + ab_rows * stride_ab_w, ab_x_ptr + row * stride_ab_x, AB_K, AB_BLOCK,
-                                   AB_BLOCK, 0).to(dtype)
+                products = tl.fma(w.to(tl.float32), x_row.to(tl.float32)[None, :], tl.zeros([2, AB_BLOCK], tl.float32))
+                a_b = pairwise_row_sum(products, AB_BLOCK).to(dtype)
                 a = tl.sum(tl.where(tl.arange(0, 2) == 0, a_b, 0.0), 0).to(tl.float32)
                 b = tl.sum(tl.where(tl.arange(0, 2) == 1, a_b, 0.0), 0).to(dtype)
             else:
@@ -268,10 +269,6 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     device. Returns out `[B·T, v_heads·v_dim]` in mixed's dtype; with `quantize`, as `Int8Activations` (the
     output projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the
     quantizer).
-
-    Under programmatic dependent launch the delta rule reads `slots` and the state before it waits for the kernel
-    launched just before it, so their last writer must be at least two launches back (`dependent_launch`; the
-    runner launches `conv1d_update` in between).
 
     Two launches: the delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
     on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated

@@ -78,7 +78,6 @@ def quant_linear_reference(x: torch.Tensor, data: torch.Tensor, shape: tuple[int
 
 
 if triton is not None:
-    from ninfer.kernels.fixed_order import pairwise_dot
 
     @triton.jit
     def _lane_values(words, high, p: tl.constexpr, BITS: tl.constexpr):
@@ -357,51 +356,29 @@ if triton is not None:
                        BLOCK_T, DEPTH, UNROLL, CHAIN, ASM, PDL)
 
     @triton.jit
-    def _gemv_batch_pair_kernel(x_blocks_ptr, T, x_block_count, programs, dense_programs,
+    def _gemv_batch_pair_kernel(x_blocks_ptr, T, x_block_count, programs,
                                 base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad, row_words, high_row_words, gpr,
                                 stride_out, bias,
                                 base2_ptr, high2_ptr, scale2_ptr, out2_ptr, N2, k_pad2, row_words2, high_row_words2,
                                 gpr2, stride_out2, bias2,
-                                dense_x_ptr, dense_w_ptr, dense_out_ptr, dense_n, dense_k, stride_dense_x,
-                                stride_dense_w, stride_dense_out,
                                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
                                 UNROLL: tl.constexpr, CHAIN: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
                                 BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr,
-                                CHAIN2: tl.constexpr, DENSE_WIDTH: tl.constexpr, DENSE_ROWS: tl.constexpr,
-                                DENSE_CHUNK: tl.constexpr,
+                                CHAIN2: tl.constexpr,
                                 BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-        """The batch route for two matrices that read the same x, in one launch: after `dense_programs` programs of
-        the dense product (none unless DENSE_WIDTH), the next `programs` programs are the first matrix's, the rest
-        the second's, each exactly a program of `_gemv_batch_kernel` (the same bits). Neither product waits for the
-        other: as two launches, the second could start only after the first had finished (PDL orders every kernel
-        after all earlier ones), and the smaller one's last wave ran alone. The dense product (`_dense_program`)
-        comes first, so that its few programs are scheduled before the GEMVs' waves, not after them."""
+        """The batch route for two matrices that read the same x, in one launch: the first `programs` programs are
+        the first matrix's, the rest the second's, each exactly a program of `_gemv_batch_kernel` (the same bits).
+        Neither product waits for the other: as two launches, the second could start only after the first had
+        finished (PDL orders every kernel after all earlier ones), and the smaller one's last wave ran alone."""
         program = tl.program_id(0)
-        if DENSE_WIDTH and program < dense_programs:
-            _dense_program(program, T, dense_x_ptr, dense_w_ptr, dense_out_ptr, dense_n, dense_k, stride_dense_x,
-                           stride_dense_w, stride_dense_out, DENSE_ROWS, DENSE_WIDTH, DENSE_CHUNK, PDL)
+        if program < programs:
+            _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
+                           high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
+                           BLOCK_T, DEPTH, UNROLL, CHAIN, ASM, PDL)
         else:
-            program -= dense_programs
-            if program < programs:
-                _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
-                               high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
-                               BLOCK_T, DEPTH, UNROLL, CHAIN, ASM, PDL)
-            else:
-                _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
-                               k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
-                               GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, CHAIN2, ASM, PDL)
-
-    @triton.jit
-    def _dense_program(program, T, x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, ROWS: tl.constexpr,
-                       WIDTH: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-        """Program `program` of a dense product riding in the GEMV pair's launch: ROWS rows of W `[N, K]` (x's
-        dtype) for one of the T tokens of x `[T, K]`, each row's sum in the fixed tree of `pairwise_dot` over WIDTH
-        lanes (the bits of `dense_linear_gemv(pairwise=True)`), stored in out's dtype."""
-        wait_for_inputs(PDL)
-        rows, row_ok, safe_rows = row_tile(program // T, N, ROWS)
-        token = (program % T).to(tl.int64)
-        total = pairwise_dot(w_ptr + safe_rows * stride_w, x_ptr + token * stride_x, K, WIDTH, CHUNK, 0)
-        tl.store(out_ptr + token * stride_out + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+            _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
+                           k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
+                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, CHAIN2, ASM, PDL)
 
     @triton.jit
     def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
@@ -671,21 +648,11 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     return out
 
 
-# the dense product riding in a GEMV pair's launch: lanes per load of its one warp (16 bytes a lane in bf16); rows
-# per program from 2 tokens on (at one token, 1: with 4, its [4, 256] chunks raise the kernel from 64 to 96 registers
-# for sm_90, which the GEMVs' latency hiding needs; from 2 tokens, fewer programs ahead of the GEMVs' first wave)
-PAIR_DENSE_CHUNK = 256
-PAIR_DENSE_ROWS = 4
-
-
-def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple,
-                           dense: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
+def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """Two integer GEMVs of the same input in one launch (`_gemv_batch_pair_kernel`): `first` and `second` are
     (data, shape, fmt, out) with `out` a `[T, N]` view with unit column stride (or None: fp32 results). Both
     matrices must take the batch route (`gemv_route`); each result has the bits `quant_linear_gemv` gives it
-    alone. `dense` (W `[N, K]` in the dtype of x's source, out `[T, N]` or None: that dtype) adds x.source · Wᵀ
-    to the launch, with the bits of `dense_linear_gemv(x.source, W, pairwise=True)` (a GDN layer's a/b projection
-    beside its q|k and v|z GEMVs). Returns the results, the dense one last."""
+    alone. Returns both results."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     products = [_Product(x, data, shape, fmt, out, None, None, 0) for data, shape, fmt, out in (first, second)]
@@ -694,35 +661,11 @@ def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple,
                          f"{BATCH_BLOCK_K}), not K = {[p.k_pad for p in products]}")
     block_t = min(p.block_t for p in products)  # one token tile for the launch (it never changes a bit)
     (programs, args, constants), (programs2, args2, constants2) = (p.batch(block_t=block_t) for p in products)
-    dense_args, dense_constants, dense_programs, results = _dense_operands(x.source, dense)
-    _gemv_batch_pair_kernel[(dense_programs + programs + programs2,)](
-        x.blocks, products[0].tokens, x.blocks.shape[1], programs, dense_programs, *args, *args2, *dense_args,
-        **constants, **{name + "2": value for name, value in constants2.items()}, **dense_constants,
-        BLOCK_K=BATCH_BLOCK_K, BLOCK_T=block_t, ASM=ASM, num_warps=1, **pdl_options(x.blocks.device))
-    return products[0].out, products[1].out, *results
-
-
-def _dense_operands(source: torch.Tensor, dense: tuple[torch.Tensor, torch.Tensor | None] | None) -> tuple:
-    """The pair kernel's dense-product arguments, constants, programs and result (none without `dense`)."""
-    if dense is None:
-        return (source, source, source, 0, 0, 0, 0, 0), {"DENSE_WIDTH": 0, "DENSE_ROWS": 1, "DENSE_CHUNK": 1}, 0, ()
-    weight, out = dense
-    tokens, k = source.shape
-    n = weight.shape[0]
-    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype != source.dtype or weight.stride(1) != 1 \
-            or source.stride(1) != 1 or weight.device != source.device:
-        raise ValueError(f"the pair's dense product takes W [N, {k}] {source.dtype} on {source.device} with unit "
-                         f"stride on K, got {list(weight.shape)} {weight.dtype} on {weight.device}")
-    if out is None:
-        out = torch.empty((tokens, n), dtype=source.dtype, device=source.device)
-    elif out.shape != (tokens, n) or out.stride(1) != 1 or out.device != source.device:
-        raise ValueError(f"the dense product's out must be a [{tokens}, {n}] view with unit column stride on "
-                         f"{source.device}, got {list(out.shape)} strides {out.stride()} on {out.device}")
-    width = triton.next_power_of_2(k)
-    args = (source, weight, out, n, k, source.stride(0), weight.stride(0), out.stride(0))
-    rows = 1 if tokens == 1 else PAIR_DENSE_ROWS
-    constants = {"DENSE_WIDTH": width, "DENSE_ROWS": rows, "DENSE_CHUNK": min(width, PAIR_DENSE_CHUNK)}
-    return args, constants, triton.cdiv(n, rows) * tokens, (out,)
+    _gemv_batch_pair_kernel[(programs + programs2,)](
+        x.blocks, products[0].tokens, x.blocks.shape[1], programs, *args, *args2, **constants,
+        **{name + "2": value for name, value in constants2.items()}, BLOCK_K=BATCH_BLOCK_K,
+        BLOCK_T=block_t, ASM=ASM, num_warps=1, **pdl_options(x.blocks.device))
+    return products[0].out, products[1].out
 
 
 def _checked_tokens(x: torch.Tensor, whole: bool) -> torch.Tensor:
