@@ -9,12 +9,6 @@ stream at that point, and `join()` makes the main stream wait for everything rec
 graph, the two streams become two branches that the GPU runs at once (CUDA's stream capture with events: "Cross-
 stream Dependencies and Events"). The kernels, their inputs and so their bits are the same as in one stream.
 
-Work that the main stream will wait for soon after a wide launch (the GDN's a/b projection beside the q|k + v|z
-GEMVs, whose programs fill every SM's registers at 8 tokens) goes `beside(urgent=True)`: to a third stream of high
-priority, whose programs the GPU schedules ahead of the waiting programs of a normal-priority kernel as registers
-free up (CUDA's stream priorities, which stream capture records in the kernel nodes), so the small kernel ends
-inside the wide one instead of after it.
-
 Only while a graph is being captured: eager steps (verify, short prompts) stay on one stream, since every fork and
 join would cost the host a few microseconds of event calls per layer. Off on the CPU, and with NINFER_BRANCHES=0.
 
@@ -38,8 +32,7 @@ class Branches:
     def __init__(self, device: torch.device):
         enabled = device.type == "cuda" and os.environ.get("NINFER_BRANCHES") != "0"
         self.side = torch.cuda.Stream(device) if enabled else None
-        self.urgent = torch.cuda.Stream(device, priority=-1) if enabled else None  # -1: the highest but one, or clamped
-        self.pending: list[torch.cuda.Stream] = []
+        self.pending = False
 
     @property
     def active(self) -> bool:
@@ -47,23 +40,20 @@ class Branches:
         return self.side is not None and torch.cuda.is_current_stream_capturing()
 
     @contextlib.contextmanager
-    def beside(self, allowed: bool = True, urgent: bool = False) -> Iterator[None]:
-        """Launches made inside go to the second stream (the high-priority one with `urgent`), after everything
-        launched on the current stream so far; in place (on the current stream) when not `active` or not
-        `allowed` (the caller's word that the work shares no scratch buffer with the main stream's work until the
-        join)."""
+    def beside(self, allowed: bool = True) -> Iterator[None]:
+        """Launches made inside go to the second stream, after everything launched on the current stream so far;
+        in place (on the current stream) when not `active` or not `allowed` (the caller's word that the work
+        shares no scratch buffer with the main stream's work until the join)."""
         if not (allowed and self.active):
             yield
             return
-        stream = self.urgent if urgent else self.side
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream):
+        self.side.wait_stream(torch.cuda.current_stream(self.side.device))
+        with torch.cuda.stream(self.side):
             yield
-        if stream not in self.pending:
-            self.pending.append(stream)
+        self.pending = True
 
     def join(self) -> None:
         """The current stream waits for all work put beside so far (nothing when none is pending)."""
-        for stream in self.pending:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
-        self.pending = []
+        if self.pending:
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+            self.pending = False

@@ -485,7 +485,7 @@ class FastQwen35:
         outs = [projected[:, :key_columns], projected[:, key_columns:]]
         one_launch = shares_launch(source, query_key, value_z)
         # the a/b projection, and q|k when it has a launch of its own, beside v|z
-        with self.branches.beside(self._independent(source, [query_key, value_z, a_b]), urgent=one_launch):
+        with self.branches.beside(self._independent(source, [query_key, value_z, a_b])):
             if not one_launch:
                 project(source, [query_key], outs[:1])
             a_b = self._gdn_a_b(source, a_b)
