@@ -68,7 +68,9 @@ for name, n, k, fmt, gathered in SHAPES:
         plan = [(t, [("batch", None, None, None)]) for t in (1, 8, 2, 4, 16, 32)]
     else:
         batch = BATCH_TILES[1:4] if quick else BATCH_TILES
-        plan = [(1, TOKEN_TILES[:1] + batch), (8, TOKEN_TILES[:1] + batch + [("batch", 2, 1, 4), ("batch", 4, 1, 4)]),
+        # at 8 tokens both token tilings explicitly (the default depends on the format and K: `batch_block_t`)
+        eight = [("batch", n, 1, t) for t in (4, 8) for n in (2, 4)]
+        plan = [(1, TOKEN_TILES[:1] + batch), (8, TOKEN_TILES[:1] + batch + eight),
                 *((t, [("token", None, None, None), ("batch", None, None, None), ("batch", 4, 1, None),
                        ("batch", 2, 1, 16)]) for t in (2, 4, 16, 32))]
     for tokens, tiles in plan:
