@@ -68,9 +68,11 @@ for name, n, k, fmt, gathered in SHAPES:
         plan = [(t, [("batch", None, None, None)]) for t in (1, 8, 2, 4, 16, 32)]
     else:
         batch = BATCH_TILES[1:4] if quick else BATCH_TILES
-        # at 8 tokens both token tilings explicitly (the default depends on the format and K: `batch_block_t`)
-        eight = [("batch", n, 1, t) for t in (4, 8) for n in (2, 4)]
-        plan = [(1, TOKEN_TILES[:1] + batch), (8, TOKEN_TILES[:1] + batch + eight),
+        # at 8 tokens 2 and 4 rows on one warp with both token tilings explicitly, in place of the default tiling
+        # (`batch_block_t`: it depends on the format and K)
+        eight = [tile for tile in batch if tile[1:3] not in ((2, 1), (4, 1))]
+        eight += [("batch", n, 1, t) for t in (4, 8) for n in (2, 4)]
+        plan = [(1, TOKEN_TILES[:1] + batch), (8, TOKEN_TILES[:1] + eight),
                 *((t, [("token", None, None, None), ("batch", None, None, None), ("batch", 4, 1, None),
                        ("batch", 2, 1, 16)]) for t in (2, 4, 16, 32))]
     for tokens, tiles in plan:
