@@ -722,13 +722,16 @@ def batch_pipeline(tokens: int, rows: int, k_pad: int, bits: int) -> tuple[int, 
     """(depth, unroll) of the batch route: the weight tiles it loads ahead (1 or 2) and the K tiles per turn of its
     loop (1 or 2). Few programs (up to 8,192 rows at one token and from 8 tokens on, 12,288 at 4-7 tokens) keep
     too few weight bytes in flight per SM; a second tile ahead helps them, and at one token only when the loop is
-    unrolled, so that the tile lands in the registers it is used from (the long-K ones: K ≥ 6,144). Elsewhere
-    (gate/up, the head, 2-3 tokens, q8 at 4 tokens or more, the 27B GDN v|z at 8 tokens) one tile ahead measured
-    best; unrolling costs more tokens their registers. From the H200 sweeps (`scripts/device/gemv_bench.py --depth
-    1,2 --unroll 1,2`, docs/performance.md). Neither changes the bits."""
+    unrolled, so that the tile lands in the registers it is used from (the long-K ones: K ≥ 6,144). From 8 tokens
+    on, q5 programs that hold all 8 tokens (K < 6,144: `batch_block_t`) gain more from the registers a tile fewer
+    frees (27B GDN v|z and attention gate/value). Elsewhere (gate/up, the head, 2-3 tokens, q8 at 4 tokens or
+    more) one tile ahead measured best; unrolling costs more tokens their registers. From the H200 sweeps
+    (`scripts/device/gemv_bench.py --depth 1,2 --unroll 1,2`, docs/performance.md). Neither changes the bits."""
     if tokens == 1:
         return (2, 2) if rows <= 8192 and k_pad >= 6144 else (1, 1)
-    return (2, 1) if tokens >= 4 and rows <= (8192 if tokens >= 8 else 12288) and bits != 8 else (1, 1)
+    if tokens >= 8:
+        return (2, 1) if rows <= 8192 and bits != 8 and (bits != 5 or k_pad >= 6144) else (1, 1)
+    return (2, 1) if tokens >= 4 and rows <= 12288 and bits != 8 else (1, 1)
 
 
 def batch_chain(tokens: int, bits: int) -> int:
