@@ -5,9 +5,10 @@ matrix (copies rotate over > 256 MiB), so the 50 MiB L2 never holds the weights;
 timed calls, as the runner shares it between matrices.
 Routes (`quant_linear_gemv(route=…)`): "token" (one token per program, the gathered MoE experts' route) and "batch"
 (a tile of tokens per program, weights unpacked once for all of them).
-With `--depth 1,2` and / or `--unroll 1,2` the batch route runs its default tile with each count of weight tiles
-loaded ahead (`depth`) and of K tiles per turn of its loop (`unroll`) instead of the tile sweep; `--chain 2,4,8`
-runs every batch tile with each count of `dp4a` per dependent chain.
+With `--depth 1,2` and / or `--unroll 1,2` the batch route runs its default tile (at 8 tokens: 4 rows with 4 and
+with 8 tokens a program) with each count of weight tiles loaded ahead (`depth`) and of K tiles per turn of its loop
+(`unroll`) instead of the tile sweep; `--chain 2,4,8` runs every batch tile with each count of `dp4a` per dependent
+chain.
 Usage: python3 scripts/device/gemv_bench.py [--quick] [--only NAME-PART] [--tokens 1,8] [--depth 1,2] [--unroll 1,2]
        [--chain 2,4,8]"""
 
@@ -65,7 +66,9 @@ for name, n, k, fmt, gathered in SHAPES:
     if gathered:
         plan = [(1, TOKEN_TILES)]
     elif pipeline_sweep:
-        plan = [(t, [("batch", None, None, None)]) for t in (1, 8, 2, 4, 16, 32)]
+        # at 8 tokens 4 rows with both token tilings (the default depends on the format and K: `batch_block_t`)
+        plan = [(t, [("batch", 4, 1, 4), ("batch", 4, 1, 8)] if t == 8 else [("batch", None, None, None)])
+                for t in (1, 8, 2, 4, 16, 32)]
     else:
         batch = BATCH_TILES[1:4] if quick else BATCH_TILES
         # at 8 tokens 2 and 4 rows on one warp with both token tilings explicitly, in place of the default tiling
