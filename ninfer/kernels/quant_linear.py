@@ -78,6 +78,24 @@ def quant_linear_reference(x: torch.Tensor, data: torch.Tensor, shape: tuple[int
 
 
 if triton is not None:
+    # The axis of the batch route's 4-D tensors that holds the 32-lane blocks (tokens and rows follow in that order,
+    # the 4 words of a block's units last): it must come first among the dimensions that Triton's load coalescing
+    # orders by contiguity, where every one but the words ties. Triton up to 3.6 breaks the tie first dimension
+    # first, 3.7 and later last dimension first; with the blocks elsewhere the loads spread rows or tokens over the
+    # lanes, and every loop turn pays shuffles to bring them back (sm_90 SASS of the q4 loop at one token: 102
+    # instructions either way round, 138 with the other version's placement; `scripts/compile_kernels.py
+    # --resources`, docs/performance.md). The placement never changes a bit.
+    BLOCKS_FIRST = tl.constexpr(tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7))
+
+    @triton.jit
+    def _block_positions(BLOCKS: tl.constexpr):
+        """0..BLOCKS-1 along the batch route's blocks axis: `[BLOCKS, 1, 1, 1]` with BLOCKS_FIRST (tensors
+        `[BLOCKS, T, BN, ·]`), else `[1, 1, BLOCKS, 1]` (tensors `[T, BN, BLOCKS, ·]`)."""
+        if BLOCKS_FIRST:
+            positions = tl.arange(0, BLOCKS)[:, None, None, None]
+        else:
+            positions = tl.arange(0, BLOCKS)[None, None, :, None]
+        return positions
 
     @triton.jit
     def _lane_values(words, high, p: tl.constexpr, BITS: tl.constexpr):
@@ -386,7 +404,8 @@ if triton is not None:
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DEPTH: tl.constexpr,
                        UNROLL: tl.constexpr, CHAIN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """Program `program` of the batch route: BLOCK_T tokens × BLOCK_N rows. Every tensor is block-major
-        ([BLOCKS, …, 4] with the 4 words of a block's units last), and Triton's layout then puts the blocks across
+        ([BLOCKS, …, 4] with the 4 words of a block's units last; the shapes here are those of BLOCKS_FIRST, from
+        Triton 3.7 the blocks are the third axis: [T, BN, BLOCKS, 4]), and Triton's layout then puts the blocks across
         the warp's lanes and tokens and rows in each lane's registers: the records `[BLOCKS, T, 1, 4]` and the weights
         `[BLOCKS, 1, BN, 4]` broadcast in place (checked with `scripts/compile_kernels.py --resources`: no shared
         memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp). DEPTH (1 or 2) weight
@@ -397,12 +416,18 @@ if triton is not None:
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         rows, row_ok, safe_rows, tokens = _row_and_token_tiles(program, N, T, BLOCK_N, BLOCK_T)
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
-        blocks = tl.arange(0, BLOCKS)[:, None, None, None]
+        # records [BLOCKS, T, 1, 4] and weights [BLOCKS, 1, BN, 4] (the blocks third without BLOCKS_FIRST): one
+        # layout (lanes over blocks), broadcast in place
+        if BLOCKS_FIRST:
+            x_rows = x_rows[None, :, None, None]
+            w_rows = safe_rows[None, None, :, None]
+            acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
+        else:
+            x_rows = x_rows[:, None, None, None]
+            w_rows = safe_rows[None, :, None, None]
+            acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCKS), dtype=tl.float32)
         word = tl.arange(0, 4)[None, None, None, :]
-        # [BLOCKS, T, 1, 4] records and [BLOCKS, 1, BN, 4] weights: one layout (lanes over blocks), broadcast in place
-        x_record = x_blocks_ptr + (x_rows[None, :, None, None] * x_block_count + blocks) * 12 + word
-        w_rows = safe_rows[None, None, :, None]
-        acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
+        x_record = x_blocks_ptr + (x_rows * x_block_count + _block_positions(BLOCKS)) * 12 + word
         k_last = tl.multiple_of(k_pad - BLOCK_K, BLOCK_K)
         words, high, w_scale = _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, 0, row_words, high_row_words, gpr,
                                             BITS, GROUP, BLOCK_K, ASM)
@@ -419,28 +444,36 @@ if triton is not None:
             even, odd = _weight_quads(words, units, bias, BITS, ASM)
             block_dots, x_scale = _block_dots(even, odd, x_record + (k0 // 32) * 12, word, OFFSET, CHAIN, BITS == 8,
                                               ASM)
-            acc += block_dots * (tl.reshape(scale, [BLOCKS, 1, BLOCK_N]) * x_scale)
+            acc += block_dots * (tl.reshape(scale, [scale.shape[0], scale.shape[1], scale.shape[2]]) * x_scale)
             if DEPTH == 2:
                 words, high, w_scale = words2, high2, w_scale2
                 words2, high2, w_scale2 = next_tile
             else:
                 words, high, w_scale = next_tile
         out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
-        tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
+        if BLOCKS_FIRST:
+            acc = tl.permute(acc, (1, 2, 0))
+        tl.store(out, _pairwise_sum(acc, BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
 
     @triton.jit
     def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_words, gpr, BITS: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
         """A tile of the batch route as loaded, nothing converted (a tile loaded ahead then stays in its load
-        registers until it is used; `_block_units` converts it), for the rows `w_rows` `[1, 1, BN, 1]`: base words
+        registers until it is used; `_block_units` converts it; shapes with BLOCKS_FIRST, else the blocks third and
+        the rows second), for the rows `w_rows` `[1, 1, BN, 1]`: base words
         `[BLOCKS, 1, BN, 4]` (q8: `[…, 4, 2]`); the high plane (`high_ptr` as int32 words) `[BLOCKS, 1, BN, 4]`,
         for unit u the word that holds its high bits (q5: the block's one word of 4 high bytes, q6: word u // 2 of
         the block's two), the words again without a high plane; the scales' fp16 bits `[BLOCKS, 1, BN, 1]`
         (`scale_ptr` as int16)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
-        blocks = tl.arange(0, BLOCKS)[:, None, None, None]
+        blocks = _block_positions(BLOCKS)
         unit = k0 // 8 + 4 * blocks + tl.arange(0, 4)[None, None, None, :]
-        words = _load_base_words(base_ptr, w_rows, unit, row_words, BITS)
+        if BITS == 8 and not BLOCKS_FIRST:  # loaded with the units ahead of the blocks: the blocks then come first
+            # among the tied dimensions (a unit's two words last), as in the other formats' loads
+            words = tl.permute(_load_base_words(base_ptr, w_rows, tl.permute(unit, (0, 1, 3, 2)), row_words, BITS),
+                               (0, 1, 3, 2, 4))
+        else:
+            words = _load_base_words(base_ptr, w_rows, unit, row_words, BITS)
         if BITS == 5 or BITS == 6:  # q5: a block's one high word for each unit; q6: word u // 2 for unit u
             u = tl.arange(0, 4)[None, None, None, :]
             word = blocks + 0 * u if BITS == 5 else 2 * blocks + u // 2
