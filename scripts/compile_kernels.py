@@ -40,7 +40,7 @@ from ninfer.quant import codec_for
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.uint8: "u8",
          torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
-LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas"}
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion"}
 launches: list[tuple[str, triton.JITFunction, dict, dict]] = []
 
 
@@ -230,7 +230,8 @@ def main() -> int:
                 continue
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                          options={"num_warps": options.get("num_warps", 4)})
+                                          options={"num_warps": options.get("num_warps", 4)}
+                                          | {k: v for k, v in options.items() if k == "enable_fp_fusion"})
                 cubin = compiled.asm["cubin"]
                 extra = _resources(cubin) + _longest_loop(cubin, args.opcodes) if args.resources else ""
                 print(f"sm_{capability} ok      {name}({label}){extra}")

@@ -28,7 +28,8 @@ def capability(monkeypatch):
                                                  ((8, 0), False)])
 def test_pdl_from_compute_capability_9_0(capability, value, expected):
     capability["value"] = value
-    assert dependent_launch.pdl_options(torch.device("cuda", 0)) == {"PDL": expected, "launch_pdl": expected}
+    assert dependent_launch.launch_options(torch.device("cuda", 0)) == {"PDL": expected, "launch_pdl": expected,
+                                                                         "enable_fp_fusion": True}
 
 
 def test_no_pdl_off_cuda_under_the_interpreter_on_rocm_or_when_switched_off(capability, monkeypatch):

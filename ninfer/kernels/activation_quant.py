@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
+from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 from ninfer.quant.groupwise import K_ALIGN
 
 try:  # Triton is optional: the CPU path never needs it
@@ -152,5 +152,5 @@ def quantize_activations(x: torch.Tensor) -> Int8Activations:
     count = blocks.shape[1]
     per_program = min(32, triton.next_power_of_2(count))
     _quantize_kernel[(tokens, triton.cdiv(count, per_program))](x, blocks, k, count, x.stride(0), BLOCKS=per_program,
-                                                                **pdl_options(x.device))
+                                                                **launch_options(x.device))
     return Int8Activations(x, blocks)

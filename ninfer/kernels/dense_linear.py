@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
+from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, row_tile
 
 try:  # Triton is optional: the CPU path never needs it
@@ -72,5 +72,5 @@ def dense_linear_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
                                                          out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
                                                          PAIRWISE=pairwise,
                                                          num_warps=max(1, min(8, block_k // 512)),
-                                                         **pdl_options(x.device))
+                                                         **launch_options(x.device))
     return out

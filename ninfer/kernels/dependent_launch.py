@@ -4,7 +4,7 @@ A decode step is hundreds of short kernels in a row; without PDL each one starts
 finished, so every launch pays its start-up (scheduling its programs, their first loads) in series. With PDL
 (`launch_pdl=True`), a kernel may be scheduled while the kernel before it still runs, and waits with
 `griddepcontrol.wait` until that kernel — and through it every earlier one — has finished and its writes are
-visible. The contract of every kernel launched with `pdl_options`: it calls `wait_for_inputs(PDL)` before it reads
+visible. The contract of every kernel launched with `launch_options`: it calls `wait_for_inputs(PDL)` before it reads
 anything another kernel wrote and before it writes anything; only data no kernel writes (packed weights, norm
 weights) may be loaded before it, which is how a GEMV streams its first weight tile while the kernel before it
 finishes. `wait_for_inputs` also lets the next kernel be scheduled at once. Kernels launched without PDL (torch's,
@@ -38,10 +38,12 @@ def pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def pdl_options(device: torch.device) -> dict[str, bool]:
-    """The launch keywords of a kernel that follows the PDL contract: its PDL constexpr and Triton's launch_pdl."""
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of every fast-path kernel: its PDL constexpr and Triton's launch_pdl (the kernel follows
+    the PDL contract above), and fused multiply-adds on. The kernels were tuned and their bits tested with them;
+    Triton 3.9 warns that its default turns them off in 3.10, so the choice is explicit."""
     enabled = pdl_supported(device)
-    return {"PDL": enabled, "launch_pdl": enabled}
+    return {"PDL": enabled, "launch_pdl": enabled, "enable_fp_fusion": True}
 
 
 if triton is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
+from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 from ninfer.kernels.quant_linear import INTERPRETED, gemv_rows
 from ninfer.quant import codec_for
 
@@ -87,7 +87,7 @@ def fp8_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int],
     _fp8_gemv_kernel[grid](
         x, codes, scales, out, experts if experts is not None else codes, n, k, tokens, x.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=512, GATHER=experts is not None, X_PER_SLOT=x_per_slot, num_warps=4,
-        **pdl_options(data.device))
+        **launch_options(data.device))
     return out
 
 

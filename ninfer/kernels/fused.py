@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes
-from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
+from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -182,7 +182,7 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
         x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
         h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
         HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
-        num_warps=8 if split else max(1, min(16, block // 256)), **pdl_options(x.device))
+        num_warps=8 if split else max(1, min(16, block // 256)), **launch_options(x.device))
     return total, Int8Activations(out, records) if quantize else out
 
 
@@ -196,7 +196,7 @@ def silu_mul(gate_up: Tensor, quantize: bool = False) -> Tensor | Int8Activation
     records = empty_records(rows, inter, out.device) if quantize else out
     _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](
         gate_up, out, records, inter, gate_up.stride(0), records.shape[1] if quantize else 0, QUANTIZE=quantize,
-        BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(gate_up.device))
+        BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **launch_options(gate_up.device))
     return Int8Activations(out, records) if quantize else out
 
 
@@ -208,7 +208,7 @@ def sigmoid_mul(x: Tensor, gate: Tensor, quantize: bool = False) -> Tensor | Int
     records = empty_records(rows, width, out.device) if quantize else out
     _sigmoid_mul_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
         x, gate, out, records, width, x.stride(0), gate.stride(0), records.shape[1] if quantize else 0,
-        QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(x.device))
+        QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **launch_options(x.device))
     return Int8Activations(out, records) if quantize else out
 
 
@@ -224,7 +224,7 @@ def moe_combine(routed: Tensor, weights: Tensor, shared: Tensor, shared_logit: T
     out = torch.empty((rows, width), dtype=shared.dtype, device=shared.device)
     _moe_combine_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
         routed, weights, shared, shared_logit, out, width, weights.stride(0), shared.stride(0), shared_logit.stride(0),
-        TOP_K=top_k, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **pdl_options(routed.device))
+        TOP_K=top_k, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **launch_options(routed.device))
     return out
 
 
@@ -239,5 +239,5 @@ def route_top_k(logits: Tensor, experts: int, top_k: int) -> tuple[Tensor, Tenso
     ids = torch.empty((rows, top_k), dtype=torch.int32, device=logits.device)
     _route_top_k_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts),
-                                 num_warps=4, **pdl_options(logits.device))
+                                 num_warps=4, **launch_options(logits.device))
     return weights, ids

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, quantize_activations
-from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
+from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -239,7 +239,7 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
         x, weight, conv_state, slots, snapshot_slots if snapshot_slots is not None else slots, out, C, tokens,
         x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0), conv_state.stride(1),
         conv_state.stride(2), out.stride(0), K=K, BLOCK_C=CONV_BLOCK_C, SNAPSHOTS=snapshot_slots is not None,
-        **pdl_options(x.device))
+        **launch_options(x.device))
     return out
 
 
@@ -326,7 +326,7 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
         AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1,
         num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
-        **pdl_options(mixed.device))
+        **launch_options(mixed.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
     round_norm_product = torch.promote_types(norm_weight.dtype, mixed.dtype) == mixed.dtype
     records_here = quantize and v_dim % 32 == 0 and block_v == v_dim
@@ -337,7 +337,7 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     _gated_norm_kernel[(rows, triton.cdiv(lanes, heads * v_dim))](
         o, z, norm_weight, out, records, o.stride(0), z.stride(0), out.stride(0), eps, record_count,
         V_HEADS=v_heads, V_DIM=v_dim, HEADS=heads, BLOCK_V=block_v, ROUND_NORM_PRODUCT=round_norm_product,
-        QUANTIZE=records_here, num_warps=4, **pdl_options(mixed.device))
+        QUANTIZE=records_here, num_warps=4, **launch_options(mixed.device))
     if not quantize:
         return out
     return Int8Activations(out, records) if records_here else quantize_activations(out)

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ninfer.kernels.activation_quant import LANE_PAD, Int8Activations, empty_records
 from ninfer.kernels.attention import causal_attention
-from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
+from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 from ninfer.kernels.fp8_linear import e4m3_to_fp32
 from ninfer.kernels.fused import sigmoid_mul
 
@@ -237,7 +237,7 @@ def qk_norm_rope(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: T
     k = torch.empty((batch, kv_heads, head_dim), dtype=query_key.dtype, device=query_key.device)
     _qk_norm_rope_kernel[(batch, heads + kv_heads)](
         query_key, q_norm, k_norm, positions, inv_freq.float().contiguous(), q, k, query_key.stride(0), heads,
-        kv_heads, eps, HEAD_DIM=head_dim, ROTARY=rotary_dim, num_warps=2, **pdl_options(query_key.device))
+        kv_heads, eps, HEAD_DIM=head_dim, ROTARY=rotary_dim, num_warps=2, **launch_options(query_key.device))
     return q, k
 
 
@@ -334,7 +334,7 @@ def write_kv(k: Tensor, v: Tensor, key_pages: Tensor, value_pages: Tensor, key_s
         k, v, pages, value_pool, *scales, block_table, positions, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), block_table.stride(0), *key_pages.stride()[:3], *scale_strides, PAGE=key_pages.shape[1],
         GROUPS=head_dim // SCALE_GROUP, QUANT=mode, CODE_MAX=CODE_MAX.get(key_pages.dtype, 0.0), num_warps=2,
-        **pdl_options(k.device))
+        **launch_options(k.device))
 
 
 if triton is not None:
@@ -525,12 +525,12 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
         *key_pages.stride()[:3], *scale_strides, scale * math.log2(math.e), splits, heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page, BLOCK_S=BLOCK_POSITIONS,
         QUANT=mode, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, GATE=fuse_gate, QUANTIZE=records_here,
-        num_warps=4, **pdl_options(q.device))
+        num_warps=4, **launch_options(q.device))
     if splits > 1:
         _merge_splits_kernel[(batch, heads)](
             partial_out, partial_max, partial_sum, out, gate_in, records, out.stride(0), gate_in.stride(0),
             record_count, splits, heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits),
-            GATE=fuse_gate, QUANTIZE=records_here, num_warps=4, **pdl_options(q.device))
+            GATE=fuse_gate, QUANTIZE=records_here, num_warps=4, **launch_options(q.device))
     if gate is None:
         return out.view(batch, heads, head_dim)
     if not fuse_gate:  # records with a padding block: `sigmoid_mul` makes them

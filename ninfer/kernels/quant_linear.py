@@ -46,7 +46,7 @@ from ninfer.kernels.activation_quant import (
     quantize_activations,
     quantize_activations_reference,
 )
-from ninfer.kernels.dependent_launch import pdl_options, wait_for_inputs
+from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
 
@@ -663,7 +663,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain)
         _gemv_batch_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], *args, **constants,
                                         BLOCK_K=block_k, BLOCK_T=block_t or product.block_t, ASM=ASM,
-                                        num_warps=num_warps or 1, **pdl_options(data.device))
+                                        num_warps=num_warps or 1, **launch_options(data.device))
         return product.out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     codec, planes, n, out = product.codec, product.planes, product.n, product.out
@@ -677,7 +677,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                        product.k_pad, planes[0].row_bytes // 4, _high_row_units(codec, planes), product.gpr,
                        acts.blocks.shape[1], out.stride(0), product.bias, BITS=codec.bits, GROUP=codec.group,
                        BLOCK_N=block_n, BLOCK_K=block_k, GATHER=experts is not None, X_PER_SLOT=x_per_slot, ASM=ASM,
-                       num_warps=num_warps or default_warps, **pdl_options(data.device))
+                       num_warps=num_warps or default_warps, **launch_options(data.device))
     return out
 
 
@@ -697,7 +697,7 @@ def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple) -> t
     _gemv_batch_pair_kernel[(programs + programs2,)](
         x.blocks, products[0].tokens, x.blocks.shape[1], programs, *args, *args2, **constants,
         **{name + "2": value for name, value in constants2.items()}, BLOCK_K=BATCH_BLOCK_K,
-        BLOCK_T=block_t, ASM=ASM, num_warps=1, **pdl_options(x.blocks.device))
+        BLOCK_T=block_t, ASM=ASM, num_warps=1, **launch_options(x.blocks.device))
     return products[0].out, products[1].out
 
 
@@ -844,7 +844,7 @@ def quant_linear_grouped(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, 
         BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block,
         X_PER_SLOT=x_per_pair, IEEE=x.dtype == torch.float32,
         num_warps=8,  # 4 warps spill registers at 64 × 64 tiles (scripts/compile_kernels.py --resources)
-        **pdl_options(x.device))
+        **launch_options(x.device))
     return out
 
 
@@ -863,5 +863,5 @@ def dequantize(data: torch.Tensor, shape: tuple[int, int], fmt: str, dtype: torc
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         base, high, scales, result, rows if rows is not None else base, n, k, planes[0].row_bytes // 4,
         _high_row_units(codec, planes), gpr, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n, BLOCK_K=block_k,
-        GATHER=rows is not None, **pdl_options(data.device))
+        GATHER=rows is not None, **launch_options(data.device))
     return result
