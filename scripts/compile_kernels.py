@@ -230,8 +230,7 @@ def main() -> int:
                 continue
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                          options={"num_warps": options.get("num_warps", 4)}
-                                          | {k: v for k, v in options.items() if k == "enable_fp_fusion"})
+                                          options={**options, "num_warps": options.get("num_warps", 4)})
                 cubin = compiled.asm["cubin"]
                 extra = _resources(cubin) + _longest_loop(cubin, args.opcodes) if args.resources else ""
                 print(f"sm_{capability} ok      {name}({label}){extra}")

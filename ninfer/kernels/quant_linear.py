@@ -416,9 +416,7 @@ if triton is not None:
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         rows, row_ok, safe_rows, tokens = _row_and_token_tiles(program, N, T, BLOCK_N, BLOCK_T)
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
-        # records [BLOCKS, T, 1, 4] and weights [BLOCKS, 1, BN, 4] (the blocks third without BLOCKS_FIRST): one
-        # layout (lanes over blocks), broadcast in place
-        if BLOCKS_FIRST:
+        if BLOCKS_FIRST:  # the records' tokens and the weights' rows on their axes (`_block_positions`)
             x_rows = x_rows[None, :, None, None]
             w_rows = safe_rows[None, None, :, None]
             acc = tl.zeros((BLOCKS, BLOCK_T, BLOCK_N), dtype=tl.float32)
@@ -460,11 +458,10 @@ if triton is not None:
                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
         """A tile of the batch route as loaded, nothing converted (a tile loaded ahead then stays in its load
         registers until it is used; `_block_units` converts it; shapes with BLOCKS_FIRST, else the blocks third and
-        the rows second), for the rows `w_rows` `[1, 1, BN, 1]`: base words
-        `[BLOCKS, 1, BN, 4]` (q8: `[…, 4, 2]`); the high plane (`high_ptr` as int32 words) `[BLOCKS, 1, BN, 4]`,
-        for unit u the word that holds its high bits (q5: the block's one word of 4 high bytes, q6: word u // 2 of
-        the block's two), the words again without a high plane; the scales' fp16 bits `[BLOCKS, 1, BN, 1]`
-        (`scale_ptr` as int16)."""
+        the rows second), for the rows `w_rows` `[1, 1, BN, 1]`: base words `[BLOCKS, 1, BN, 4]` (q8: `[…, 4, 2]`);
+        the high plane (`high_ptr` as int32 words) `[BLOCKS, 1, BN, 4]`, for unit u the word that holds its high bits
+        (q5: the block's one word of 4 high bytes, q6: word u // 2 of the block's two), the words again without a
+        high plane; the scales' fp16 bits `[BLOCKS, 1, BN, 1]` (`scale_ptr` as int16)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         blocks = _block_positions(BLOCKS)
         unit = k0 // 8 + 4 * blocks + tl.arange(0, 4)[None, None, None, :]
