@@ -4,11 +4,15 @@ tensors while each kernel's launch is intercepted, and the recorded arguments be
 compiler rejects (unsigned/negative shifts, statements after a return in a constexpr branch, unsupported types on
 an older architecture). Prints one line per kernel and target; exits 1 when any fails.
 
-Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources] [--opcodes] [--only REGEX] [--set K=V,…]
+Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources] [--opcodes] [--waits] [--only REGEX]
+       [--set K=V,…]
 (TRITON_INTERPRET must be unset)
 `--resources` adds each kernel's registers, spill stack and shared memory per thread block (cuobjdump) and the
 length of its longest loop (nvdisasm), the first things to look at when a kernel is slower than its memory traffic
-predicts; `--opcodes` adds that loop's instruction count per opcode; `--only` compiles the launches whose label
+predicts; `--opcodes` adds that loop's instruction count per opcode; `--waits` lists, below each kernel, the loop's
+waits on a load (`scoreboard_waits`): where a load's value is waited for, and which other loads the same wait
+covers, which is how a load meant for a later turn ends up waited for in this one; `--only` compiles the launches
+whose label
 (name and constants) matches; `--set` overrides integer constants of the launches that have them (e.g.
 `DEPTH=1,CHAIN=8`: a variant the recorded wrapper calls do not pick). The registers and the schedule depend on
 the Triton version: to read what the GPU machine runs, put that version first on PYTHONPATH (`pip install --target
@@ -27,10 +31,6 @@ import tempfile
 import traceback
 
 import torch
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    sys.exit("unset TRITON_INTERPRET: this script compiles the kernels instead of interpreting them")
-
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -182,24 +182,38 @@ def _resources(cubin: bytes) -> str:
     return f"  [registers {found.get('REG', '?')}, stack {found.get('STACK', '?')}, shared {found.get('SHARED', '?')}]"
 
 
-def _longest_loop(cubin: bytes, opcodes: bool) -> str:
-    """Instructions in the kernel's longest loop body (from the first instruction after a label to a backward branch
-    to it), from `nvdisasm` (bundled with triton): divided by the weights a thread handles per iteration, the
-    instructions per weight that bound a GEMV. With `opcodes`, also their count per opcode (IDP, LOP3, …)."""
+def _disassemble(cubin: bytes, encodings: bool = False) -> list[str]:
+    """`nvdisasm -c` (bundled with triton) of a cubin, with `-hex` each instruction's encoding: the low 64 bits on
+    its line, the high 64 bits (where the control bits are) on the next."""
     import triton.backends.nvidia as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        lines = subprocess.run([tool, "-c", handle.name], capture_output=True, text=True).stdout.splitlines()
+        flags = ["-c", "-hex"] if encodings else ["-c"]
+        return subprocess.run([tool, *flags, handle.name], capture_output=True, text=True).stdout.splitlines()
+
+
+def longest_loop(lines: list[str]) -> list[int]:
+    """Indices into an `nvdisasm -c` listing of the instructions of its longest loop body: from the first
+    instruction after a label to a backward branch to it."""
     labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"\s*\.L_x_\d+:", line)}
-    longest: list[str] = []
+    longest: list[int] = []
     for i, line in enumerate(lines):
         branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if branch and labels.get(branch.group(1), i) < i:
-            body = [b for b in lines[labels[branch.group(1)] : i + 1] if re.match(r"\s*/\*[0-9a-f]{4}\*/", b)]
+            body = [j for j in range(labels[branch.group(1)], i + 1) if re.match(r"\s*/\*[0-9a-f]{4}\*/", lines[j])]
             longest = max(longest, body, key=len)
+    return longest
+
+
+def _longest_loop(cubin: bytes, opcodes: bool) -> str:
+    """Instructions in the kernel's longest loop body, from `nvdisasm`: divided by the weights a thread handles per
+    iteration, the instructions per weight that bound a GEMV. With `opcodes`, also their count per opcode (IDP,
+    LOP3, …)."""
+    lines = _disassemble(cubin)
+    longest = [lines[i] for i in longest_loop(lines)]
     text = f", loop {len(longest)} instructions"
     if opcodes:  # "/*0f80*/  @!P0 MOV.64 R1, R2 ;" counts as MOV
         names = (re.sub(r"^\s*/\*[0-9a-f]{4}\*/\s*(@!?U?P\w+\s+)?", "", b).split()[0].split(".")[0] for b in longest)
@@ -207,11 +221,49 @@ def _longest_loop(cubin: bytes, opcodes: bool) -> str:
     return text
 
 
+def scoreboard_waits(lines: list[str]) -> list[str]:
+    """The waits on loads in the longest loop of an `nvdisasm -c -hex` listing. A load (LDG, LDS, LDL, LD) that
+    reports to one of the warp's 6 scoreboards sets it; an instruction whose wait mask names a scoreboard waits for
+    every load on it issued since the last wait on it, including loads it does not read. The control bits are
+    bits 105-125 of the 128-bit instruction (the Volta-and-later layout described by Jia et al., "Dissecting the
+    NVIDIA Volta GPU Architecture via Microbenchmarking", 2018): in the high 64 bits, the write scoreboard at bits
+    46-48 (7: none) and the wait mask at 52-57. The loop runs twice (loads of the turn before count), and each
+    wait of the second turn gives one line: its offset in the loop, scoreboard, instruction, and each load it
+    covers with how many instructions back it was issued."""
+    body = []
+    for i in longest_loop(lines):
+        encoding = re.search(r"/\* (0x[0-9a-f]{16}) \*/", lines[i + 1]) if i + 1 < len(lines) else None
+        if encoding is None:
+            raise ValueError("scoreboard_waits needs the listing of `nvdisasm -c -hex`")
+        text = re.sub(r"^\s*/\*[0-9a-f]{4}\*/\s*", "", lines[i]).split(";")[0].strip()
+        body.append((text, int(encoding.group(1), 16)))
+    pending: dict[int, list[tuple[int, str]]] = {board: [] for board in range(6)}
+    report = []
+    for turn in range(2):
+        for k, (text, high) in enumerate(body):
+            at = turn * len(body) + k
+            mask = (high >> 52) & 0x3F
+            for board in range(6):
+                if mask >> board & 1 and pending[board]:
+                    if turn == 1:
+                        loads = ", ".join(f"{load} {at - issued} back" for issued, load in pending[board])
+                        report.append(f"+{k:<4d} SB{board} {text[:44]:44s} waits for: {loads}")
+                    pending[board] = []
+            board = (high >> 46) & 7
+            words = re.sub(r"^@!?U?P\w+\s+", "", text).split()  # the predicate off
+            if board != 7 and re.fullmatch(r"LD[GSL]?(\..*)?", words[0]):
+                pending[board].append((at, f"{words[0]} {words[1].rstrip(',')}"))
+    return report
+
+
 def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: this script compiles the kernels instead of interpreting them")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated")
     parser.add_argument("--resources", action="store_true", help="print registers, stack and shared memory")
     parser.add_argument("--opcodes", action="store_true", help="with --resources: the longest loop's opcodes")
+    parser.add_argument("--waits", action="store_true", help="the longest loop's waits on loads (scoreboard_waits)")
     parser.add_argument("--only", default="", help="compile the launches whose label matches this regex")
     parser.add_argument("--set", default="", help="K=V,…: integer constants to override where a launch has them")
     args = parser.parse_args()
@@ -234,6 +286,9 @@ def main() -> int:
                 cubin = compiled.asm["cubin"]
                 extra = _resources(cubin) + _longest_loop(cubin, args.opcodes) if args.resources else ""
                 print(f"sm_{capability} ok      {name}({label}){extra}")
+                if args.waits:
+                    for wait in scoreboard_waits(_disassemble(cubin, encodings=True)):
+                        print(f"    {wait}")
             except Exception as exc:  # report every failure, then exit 1
                 failed += 1
                 reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

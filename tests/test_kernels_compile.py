@@ -52,3 +52,36 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
     for label, stack, opcodes in batch:
         exchanged = CONVERSION_OPCODES & set(ast.literal_eval(opcodes))
         assert stack == "0" and not exchanged, f"{label}: stack {stack}, {sorted(exchanged)} in the loop"
+
+
+def _listing(instructions: list[tuple[str, int, int]]) -> list[str]:
+    """An `nvdisasm -c -hex` listing of one loop: (instruction, write scoreboard or 7, wait mask) each, the
+    control bits where sm_70+ encodings keep them (high 64 bits: write scoreboard at 46, wait mask at 52)."""
+    lines = [".L_x_0:"]
+    for offset, (text, board, mask) in enumerate(instructions):
+        high = board << 46 | 7 << 49 | mask << 52
+        lines += [f"        /*{16 * offset:04x}*/                   {text} ;        /* 0x0000000000000000 */",
+                  f"                                                                /* 0x{high:016x} */"]
+    return lines
+
+
+def test_scoreboard_waits_names_every_load_a_wait_covers():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from compile_kernels import scoreboard_waits
+    finally:
+        sys.path.pop(0)
+    loop = [("LOP3.LUT R9, R4, 0xff, RZ, 0x3c, !PT", 7, 0b100000),  # waits on SB5: the turn before's weight load
+            ("LDG.E.128 R4, desc[UR4][R20.64]", 5, 0),
+            ("LDG.E.64 R10, desc[UR4][R22.64+0x20]", 1, 0),
+            ("IADD3 R1, R1, 0x1, RZ", 7, 0),
+            ("LDG.E.U16.CONSTANT R12, desc[UR4][R24.64]", 1, 0),
+            ("IMAD R13, R11, R2, 0x4b400000", 7, 0b000010),  # reads R11 only, waits for R12's load as well
+            ("@!P0 BRA `(.L_x_0)", 7, 0)]
+    waits = [re.match(r"\+(\d+)\s+SB(\d) (.+?)\s+waits for: (.*)$", line).groups()
+             for line in scoreboard_waits(_listing(loop))]
+    assert waits == [("0", "5", "LOP3.LUT R9, R4, 0xff, RZ, 0x3c, !PT", "LDG.E.128 R4 6 back"),
+                     ("5", "1", "IMAD R13, R11, R2, 0x4b400000",
+                      "LDG.E.64 R10 3 back, LDG.E.U16.CONSTANT R12 1 back")]
+    with pytest.raises(ValueError, match="-hex"):
+        scoreboard_waits([line for line in _listing(loop) if not line.strip().startswith("/* 0x")])
