@@ -12,8 +12,7 @@ length of its longest loop (nvdisasm), the first things to look at when a kernel
 predicts; `--opcodes` adds that loop's instruction count per opcode; `--waits` lists, below each kernel, the loop's
 waits on a load (`scoreboard_waits`): where a load's value is waited for, and which other loads the same wait
 covers, which is how a load meant for a later turn ends up waited for in this one; `--only` compiles the launches
-whose label
-(name and constants) matches; `--set` overrides integer constants of the launches that have them (e.g.
+whose label (name and constants) matches; `--set` overrides integer constants of the launches that have them (e.g.
 `DEPTH=1,CHAIN=8`: a variant the recorded wrapper calls do not pick). The registers and the schedule depend on
 the Triton version: to read what the GPU machine runs, put that version first on PYTHONPATH (`pip install --target
 DIR triton==3.6.0`; docs/performance.md).
