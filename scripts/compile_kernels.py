@@ -181,17 +181,16 @@ def _resources(cubin: bytes) -> str:
     return f"  [registers {found.get('REG', '?')}, stack {found.get('STACK', '?')}, shared {found.get('SHARED', '?')}]"
 
 
-def _disassemble(cubin: bytes, encodings: bool = False) -> list[str]:
-    """`nvdisasm -c` (bundled with triton) of a cubin, with `-hex` each instruction's encoding: the low 64 bits on
-    its line, the high 64 bits (where the control bits are) on the next."""
+def _disassemble(cubin: bytes) -> list[str]:
+    """`nvdisasm -c -hex` (bundled with triton) of a cubin: each instruction with the low 64 bits of its encoding on
+    its line, and the high 64 bits (where the control bits are) on the next."""
     import triton.backends.nvidia as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        flags = ["-c", "-hex"] if encodings else ["-c"]
-        return subprocess.run([tool, *flags, handle.name], capture_output=True, text=True).stdout.splitlines()
+        return subprocess.run([tool, "-c", "-hex", handle.name], capture_output=True, text=True).stdout.splitlines()
 
 
 def longest_loop(lines: list[str]) -> list[int]:
@@ -207,11 +206,10 @@ def longest_loop(lines: list[str]) -> list[int]:
     return longest
 
 
-def _longest_loop(cubin: bytes, opcodes: bool) -> str:
-    """Instructions in the kernel's longest loop body, from `nvdisasm`: divided by the weights a thread handles per
-    iteration, the instructions per weight that bound a GEMV. With `opcodes`, also their count per opcode (IDP,
-    LOP3, …)."""
-    lines = _disassemble(cubin)
+def _longest_loop(lines: list[str], opcodes: bool) -> str:
+    """Instructions in the longest loop body of a kernel's listing (`_disassemble`): divided by the weights a thread
+    handles per iteration, the instructions per weight that bound a GEMV. With `opcodes`, also their count per
+    opcode (IDP, LOP3, …)."""
     longest = [lines[i] for i in longest_loop(lines)]
     text = f", loop {len(longest)} instructions"
     if opcodes:  # "/*0f80*/  @!P0 MOV.64 R1, R2 ;" counts as MOV
@@ -283,11 +281,11 @@ def main() -> int:
                 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                           options={**options, "num_warps": options.get("num_warps", 4)})
                 cubin = compiled.asm["cubin"]
-                extra = _resources(cubin) + _longest_loop(cubin, args.opcodes) if args.resources else ""
+                listing = _disassemble(cubin) if args.resources or args.waits else []
+                extra = _resources(cubin) + _longest_loop(listing, args.opcodes) if args.resources else ""
                 print(f"sm_{capability} ok      {name}({label}){extra}")
-                if args.waits:
-                    for wait in scoreboard_waits(_disassemble(cubin, encodings=True)):
-                        print(f"    {wait}")
+                for wait in scoreboard_waits(listing) if args.waits else []:
+                    print(f"    {wait}")
             except Exception as exc:  # report every failure, then exit 1
                 failed += 1
                 reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
