@@ -177,6 +177,19 @@ def test_both_routes_give_the_same_bits_at_the_same_k_tile(fmt, tokens, n, k):
     assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, route="batch", block_k=block_k), expected)
 
 
+@pytest.mark.parametrize(("tokens", "block_n"), [(1, 2), (8, 4), (5, 2), (3, 1), (8, 1), (2, 8)])
+def test_the_lane_tree_gives_the_bits_of_the_pairwise_sum(tokens, block_n):
+    """At 1,024-lane tiles the batch route sums its 32 positions by exchanging halves between lanes
+    (`_lane_tree_sum`: 1 to 32 sums a program, each lane keeping some); the token route at the same tile uses the
+    plain halving tree. Every sum must land on its own token and row with the same bits."""
+    n, k = 13, 3072
+    data, generator = _matrix("q4_g64_fp16", n, k, tokens * block_n)
+    acts = quantize_activations(torch.randn(tokens, k, generator=generator).to(DEVICE))
+    expected = quant_linear_gemv(acts, data, (n, k), "q4_g64_fp16", route="token", block_k=1024)
+    got = quant_linear_gemv(acts, data, (n, k), "q4_g64_fp16", route="batch", block_n=block_n)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize(("formats", "tokens", "k"), [(("q4_g64_fp16", "q5_g64_fp16"), 1, 2048),
                                                       (("q6_g64_fp16", "q8_g32_fp16"), 3, 2048),
                                                       (("q5_g64_fp16", "q4_g64_fp16"), 11, 2048),

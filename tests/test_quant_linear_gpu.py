@@ -66,6 +66,22 @@ def test_batch_pipeline_on_cuda_changes_no_bit(name, tokens):
         assert torch.equal(got, expected), f"{name} T={tokens}: depth {depth}, unroll {unroll}, chain {chain}"
 
 
+@pytest.mark.parametrize("name", ["27b attention/query_key", "27b mlp/down", "27b token head", "mtp q8"])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 16])
+def test_lane_tree_on_cuda_gives_the_bits_of_the_pairwise_sum(name, tokens):
+    """On the GPU the batch route's positions meet through `shfl` exchanges between lanes (`_lane_tree_sum`, which
+    takes position p to be in lane p of Triton's layout); the token route at the same 1,024-lane tile uses the
+    plain halving tree: the same bits, every sum on its own token and row."""
+    n, k, fmt = SHAPES[name]
+    generator = torch.Generator(device="cuda").manual_seed(tokens + 7)
+    data = codec_for(fmt).encode(torch.randn(n, k, device="cuda", generator=generator) * 0.02)
+    x = torch.randn(tokens, k, device="cuda", generator=generator)
+    expected = quant_linear_gemv(x, data, (n, k), fmt, route="token", block_k=1024)
+    for block_n in (None, 1, 2, 4):
+        got = quant_linear_gemv(x, data, (n, k), fmt, route="batch", block_n=block_n)
+        assert torch.equal(got, expected), f"{name} T={tokens} BN={block_n}"
+
+
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])
 def test_expert_gather_on_cuda(fmt):
     experts, rows, k, top_k = 256, 1024, 2048, 8  # 35B-A3B routed gate_up

@@ -274,6 +274,50 @@ if triton is not None:
         return r
 
     @triton.jit
+    def _shuffle_xor(values, MASK: tl.constexpr, ASM: tl.constexpr):
+        """values `[LANES, M]` fp32 with row p taken from row p ^ MASK: on NVIDIA GPUs one `shfl.sync.bfly` per
+        element, which is that exchange only where row p lives in lane p of one warp (the caller's layout: the
+        batch route's blocks axis at 1,024-lane tiles on one warp); elsewhere the rows swapped with a flip, for
+        any layout (the interpreter)."""
+        if ASM:
+            bits = tl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {MASK}, 0x1f, 0xffffffff;", "=r,r",
+                                              [values.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=False,
+                                              pack=1)
+            r = bits.to(tl.float32, bitcast=True)
+        else:
+            LANES: tl.constexpr = values.shape[0]
+            M: tl.constexpr = values.shape[1]
+            pairs = tl.reshape(values, [LANES // (2 * MASK), 2, MASK, M])
+            r = tl.reshape(tl.flip(pairs, 1), [LANES, M])
+        return r
+
+    @triton.jit
+    def _lane_tree(values, lane, MASK: tl.constexpr, M: tl.constexpr, ASM: tl.constexpr):
+        """`_lane_tree_sum` from the level that pairs lanes p and p ^ MASK, with M values left per lane."""
+        if M == 1:
+            r = values + _shuffle_xor(values, MASK, ASM)
+        else:
+            first, second = tl.split(tl.permute(tl.reshape(values, [values.shape[0], 2, M // 2]), (0, 2, 1)))
+            upper = (lane & MASK) != 0
+            r = tl.where(upper, second, first) + _shuffle_xor(tl.where(upper, first, second), MASK, ASM)
+        if MASK > 1:
+            r = _lane_tree(r, lane, MASK // 2, (M + 1) // 2, ASM)
+        return r
+
+    @triton.jit
+    def _lane_tree_sum(values, M: tl.constexpr, ASM: tl.constexpr):
+        """`_pairwise_sum` over the 32 positions of `values` `[32, M]` (position p in lane p; M ≤ 32 sums per lane,
+        a power of 2), the same bits, in 31 shuffles where the reduction across lanes takes 5 · M: each level pairs
+        the lanes p and p ^ MASK (MASK = 16, 8, …, 1), which are the halving tree's pairs, and each lane of a pair
+        keeps half of its sums, lane p the half that bit MASK of p picks (an exchange sends the other half), so a
+        level costs M / 2 shuffles and halves M; once one sum is left, the rest are plain butterflies. Returns
+        `[32, 1]`: lane p holds the sum of value p >> (5 − log2 M), in every lane of its run of 32 / M (an IEEE
+        addition is commutative, so both lanes of a pair get the same bits). The H200 profile of the 8-token
+        gate_up put 11.6 % of its samples after the K loop in the reduction across lanes (docs/performance.md)."""
+        lane = tl.arange(0, 32)[:, None]
+        return _lane_tree(values, lane, 16, M, ASM)
+
+    @triton.jit
     def _quads(t):
         """The 4 words along the last axis of a 4-D t (one thread's, in every layout of the GEMVs) as 4 tensors of
         t's other axes."""
@@ -367,11 +411,12 @@ if triton is not None:
     def _gemv_batch_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad,
                            row_words, high_row_words, gpr, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
                            BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr, CHAIN: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, LANE_TREE: tl.constexpr, ASM: tl.constexpr,
+                           PDL: tl.constexpr):
         """The batch route for one matrix (`_batch_program`)."""
         _batch_program(tl.program_id(0), x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad,
                        row_words, high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
-                       BLOCK_T, DEPTH, UNROLL, CHAIN, ASM, PDL)
+                       BLOCK_T, DEPTH, UNROLL, CHAIN, LANE_TREE, ASM, PDL)
 
     @triton.jit
     def _gemv_batch_pair_kernel(x_blocks_ptr, T, x_block_count, programs,
@@ -383,7 +428,8 @@ if triton is not None:
                                 UNROLL: tl.constexpr, CHAIN: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
                                 BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr,
                                 CHAIN2: tl.constexpr,
-                                BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                                BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, LANE_TREE: tl.constexpr,
+                                ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for two matrices that read the same x, in one launch: the first `programs` programs are
         the first matrix's, the rest the second's, each exactly a program of `_gemv_batch_kernel` (the same bits).
         Neither product waits for the other: as two launches, the second could start only after the first had
@@ -392,17 +438,18 @@ if triton is not None:
         if program < programs:
             _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
                            high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
-                           BLOCK_T, DEPTH, UNROLL, CHAIN, ASM, PDL)
+                           BLOCK_T, DEPTH, UNROLL, CHAIN, LANE_TREE, ASM, PDL)
         else:
             _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
                            k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
-                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, CHAIN2, ASM, PDL)
+                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, CHAIN2, LANE_TREE, ASM, PDL)
 
     @triton.jit
     def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
                        high_row_words, gpr, x_block_count, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DEPTH: tl.constexpr,
-                       UNROLL: tl.constexpr, CHAIN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                       UNROLL: tl.constexpr, CHAIN: tl.constexpr, LANE_TREE: tl.constexpr, ASM: tl.constexpr,
+                       PDL: tl.constexpr):
         """Program `program` of the batch route: BLOCK_T tokens × BLOCK_N rows. Every tensor is block-major
         ([BLOCKS, …, 4] with the 4 words of a block's units last; the shapes here are those of BLOCKS_FIRST, from
         Triton 3.7 the blocks are the third axis: [T, BN, BLOCKS, 4]), and Triton's layout then puts the blocks across
@@ -411,7 +458,9 @@ if triton is not None:
         memory or shuffles in the loop at BLOCK_K = 1,024, one block per lane of one warp). DEPTH (1 or 2) weight
         tiles are loaded ahead, kept as loaded until used; the K loop is unrolled UNROLL times (2: the tile loaded
         ahead lands in the registers it is used from, where a loop-carried copy would wait for the load). CHAIN: the
-        `dp4a` per dependent chain (`_block_dots`)."""
+        `dp4a` per dependent chain (`_block_dots`). LANE_TREE: the positions' sums meet in `_lane_tree_sum` where
+        the tile is 1,024 lanes and the program holds at most 32 (token, row) sums, else in `_pairwise_sum`; the
+        same bits either way."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
         rows, row_ok, safe_rows, tokens = _row_and_token_tiles(program, N, T, BLOCK_N, BLOCK_T)
@@ -448,10 +497,23 @@ if triton is not None:
                 words2, high2, w_scale2 = next_tile
             else:
                 words, high, w_scale = next_tile
-        out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
-        if BLOCKS_FIRST:
-            acc = tl.permute(acc, (1, 2, 0))
-        tl.store(out, _pairwise_sum(acc, BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
+        SUMS: tl.constexpr = BLOCK_T * BLOCK_N
+        if LANE_TREE and BLOCKS == 32 and SUMS <= 32:  # lane p sums value p // COPIES, j = token · BLOCK_N + row
+            if not BLOCKS_FIRST:
+                acc = tl.permute(acc, (2, 0, 1))
+            sums = _lane_tree_sum(tl.reshape(acc, [BLOCKS, SUMS]), SUMS, ASM)
+            COPIES: tl.constexpr = 32 // SUMS
+            lane = tl.arange(0, 32)[:, None]
+            token_tiles = tl.cdiv(T, BLOCK_T)
+            token = (program % token_tiles) * BLOCK_T + lane // COPIES // BLOCK_N
+            row = (program // token_tiles) * BLOCK_N + lane // COPIES % BLOCK_N
+            tl.store(out_ptr + token.to(tl.int64) * stride_out + row, sums,
+                     mask=(lane % COPIES == 0) & (token < T) & (row < N))
+        else:
+            out = out_ptr + tokens[:, None].to(tl.int64) * stride_out + rows[None, :]
+            if BLOCKS_FIRST:
+                acc = tl.permute(acc, (1, 2, 0))
+            tl.store(out, _pairwise_sum(acc, BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
 
     @triton.jit
     def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_words, gpr, BITS: tl.constexpr,
@@ -659,8 +721,9 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     if route == "batch":
         programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain)
         _gemv_batch_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], *args, **constants,
-                                        BLOCK_K=block_k, BLOCK_T=block_t or product.block_t, ASM=ASM,
-                                        num_warps=num_warps or 1, **launch_options(data.device))
+                                        BLOCK_K=block_k, BLOCK_T=block_t or product.block_t,
+                                        LANE_TREE=_uses_lane_tree(num_warps or 1), ASM=ASM, num_warps=num_warps or 1,
+                                        **launch_options(data.device))
         return product.out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     codec, planes, n, out = product.codec, product.planes, product.n, product.out
@@ -694,8 +757,15 @@ def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple) -> t
     _gemv_batch_pair_kernel[(programs + programs2,)](
         x.blocks, products[0].tokens, x.blocks.shape[1], programs, *args, *args2, **constants,
         **{name + "2": value for name, value in constants2.items()}, BLOCK_K=BATCH_BLOCK_K,
-        BLOCK_T=block_t, ASM=ASM, num_warps=1, **launch_options(x.blocks.device))
+        BLOCK_T=block_t, LANE_TREE=_uses_lane_tree(1), ASM=ASM, num_warps=1, **launch_options(x.blocks.device))
     return products[0].out, products[1].out
+
+
+def _uses_lane_tree(num_warps: int) -> bool:
+    """Whether the batch route's positions meet in `_lane_tree_sum`: on one warp, with its shuffles emulated under
+    the interpreter, or as `shfl` where Triton puts position p in lane p (checked on the H200 up to Triton 3.6,
+    `BLOCKS_FIRST`; later versions keep the reduction across lanes)."""
+    return num_warps == 1 and (INTERPRETED or (ASM and bool(BLOCKS_FIRST)))
 
 
 def _checked_tokens(x: torch.Tensor, whole: bool) -> torch.Tensor:
