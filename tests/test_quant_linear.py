@@ -186,8 +186,9 @@ def test_the_lane_tree_gives_the_bits_of_the_pairwise_sum(tokens, block_n):
     data, generator = _matrix("q4_g64_fp16", n, k, tokens * block_n)
     acts = quantize_activations(torch.randn(tokens, k, generator=generator).to(DEVICE))
     expected = quant_linear_gemv(acts, data, (n, k), "q4_g64_fp16", route="token", block_k=1024)
-    got = quant_linear_gemv(acts, data, (n, k), "q4_g64_fp16", route="batch", block_n=block_n)
-    assert torch.equal(got, expected)
+    for lane_tree in (True, False):
+        got = quant_linear_gemv(acts, data, (n, k), "q4_g64_fp16", route="batch", block_n=block_n, lane_tree=lane_tree)
+        assert torch.equal(got, expected), f"lane tree {lane_tree}"
 
 
 @pytest.mark.parametrize(("formats", "tokens", "k"), [(("q4_g64_fp16", "q5_g64_fp16"), 1, 2048),

@@ -78,7 +78,7 @@ def test_lane_tree_on_cuda_gives_the_bits_of_the_pairwise_sum(name, tokens):
     x = torch.randn(tokens, k, device="cuda", generator=generator)
     expected = quant_linear_gemv(x, data, (n, k), fmt, route="token", block_k=1024)
     for block_n in (None, 1, 2, 4):
-        got = quant_linear_gemv(x, data, (n, k), fmt, route="batch", block_n=block_n)
+        got = quant_linear_gemv(x, data, (n, k), fmt, route="batch", block_n=block_n, lane_tree=True)
         assert torch.equal(got, expected), f"{name} T={tokens} BN={block_n}"
 
 

@@ -411,7 +411,7 @@ if triton is not None:
     def _gemv_batch_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad,
                            row_words, high_row_words, gpr, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
                            BLOCK_N: tl.constexpr, DEPTH: tl.constexpr, UNROLL: tl.constexpr, CHAIN: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, LANE_TREE: tl.constexpr, ASM: tl.constexpr,
+                           LANE_TREE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr,
                            PDL: tl.constexpr):
         """The batch route for one matrix (`_batch_program`)."""
         _batch_program(tl.program_id(0), x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad,
@@ -427,9 +427,8 @@ if triton is not None:
                                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
                                 UNROLL: tl.constexpr, CHAIN: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
                                 BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr,
-                                CHAIN2: tl.constexpr,
-                                BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, LANE_TREE: tl.constexpr,
-                                ASM: tl.constexpr, PDL: tl.constexpr):
+                                CHAIN2: tl.constexpr, LANE_TREE: tl.constexpr, LANE_TREE2: tl.constexpr,
+                                BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for two matrices that read the same x, in one launch: the first `programs` programs are
         the first matrix's, the rest the second's, each exactly a program of `_gemv_batch_kernel` (the same bits).
         Neither product waits for the other: as two launches, the second could start only after the first had
@@ -442,7 +441,7 @@ if triton is not None:
         else:
             _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
                            k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
-                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, CHAIN2, LANE_TREE, ASM, PDL)
+                           GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, CHAIN2, LANE_TREE2, ASM, PDL)
 
     @triton.jit
     def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
@@ -691,7 +690,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
                       experts: torch.Tensor | None = None, expert_rows: int = 0, x_per_slot: int = 1,
                       num_warps: int | None = None, out: torch.Tensor | None = None,
                       route: str | None = None, block_t: int | None = None,
-                      depth: int | None = None, unroll: int | None = None, chain: int | None = None) -> torch.Tensor:
+                      depth: int | None = None, unroll: int | None = None, chain: int | None = None,
+                      lane_tree: bool | None = None) -> torch.Tensor:
     """The integer GEMV (see the module docstring) of x, a tensor or its `Int8Activations` (quantized once for
     several matrices that read the same input). x has at most MAX_GEMV_TOKENS rows; the result is `[T, N]` in
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
@@ -700,7 +700,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per
     program of the batch route (default BATCH_TOKENS); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
     per turn of its loop, 1 or 2 each (default `batch_pipeline`); `chain`: its `dp4a` per dependent chain, 2, 4 or 8
-    (default `batch_chain`). None of them changes a result's bits."""
+    (default `batch_chain`); `lane_tree`: whether its block positions' sums meet by exchanging halves between lanes
+    (`_lane_tree_sum`; default `batch_lane_tree`; on one warp only). None of them changes a result's bits."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     if not isinstance(x, Int8Activations):  # refused before the quantization's launch: no kernel sees bad input
@@ -719,11 +720,11 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     if chain not in (None, 2, 4, 8):
         raise ValueError(f"a dp4a chain holds 2, 4 or 8 products, not {chain}")
     if route == "batch":
-        programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain)
+        programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain,
+                                                  lane_tree if (num_warps or 1) == 1 else False)
         _gemv_batch_kernel[(programs,)](acts.blocks, product.tokens, acts.blocks.shape[1], *args, **constants,
-                                        BLOCK_K=block_k, BLOCK_T=block_t or product.block_t,
-                                        LANE_TREE=_uses_lane_tree(num_warps or 1), ASM=ASM, num_warps=num_warps or 1,
-                                        **launch_options(data.device))
+                                        BLOCK_K=block_k, BLOCK_T=block_t or product.block_t, ASM=ASM,
+                                        num_warps=num_warps or 1, **launch_options(data.device))
         return product.out
     # the H200 sweep's best (docs/performance.md): 2 rows on 1 warp for whole matrices, 4 on 2 for gathered experts
     codec, planes, n, out = product.codec, product.planes, product.n, product.out
@@ -757,15 +758,15 @@ def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple) -> t
     _gemv_batch_pair_kernel[(programs + programs2,)](
         x.blocks, products[0].tokens, x.blocks.shape[1], programs, *args, *args2, **constants,
         **{name + "2": value for name, value in constants2.items()}, BLOCK_K=BATCH_BLOCK_K,
-        BLOCK_T=block_t, LANE_TREE=_uses_lane_tree(1), ASM=ASM, num_warps=1, **launch_options(x.blocks.device))
+        BLOCK_T=block_t, ASM=ASM, num_warps=1, **launch_options(x.blocks.device))
     return products[0].out, products[1].out
 
 
-def _uses_lane_tree(num_warps: int) -> bool:
-    """Whether the batch route's positions meet in `_lane_tree_sum`: on one warp, with its shuffles emulated under
-    the interpreter, or as `shfl` where Triton puts position p in lane p (checked on the H200 up to Triton 3.6,
-    `BLOCKS_FIRST`; later versions keep the reduction across lanes)."""
-    return num_warps == 1 and (INTERPRETED or (ASM and bool(BLOCKS_FIRST)))
+def _lane_tree_sums() -> bool:
+    """Whether the batch route can sum its positions in `_lane_tree_sum` (on one warp): with its shuffles emulated
+    under the interpreter, or as `shfl` where Triton puts position p in lane p (checked on the H200 up to Triton
+    3.6, `BLOCKS_FIRST`; later versions keep the reduction across lanes)."""
+    return INTERPRETED or (ASM and bool(BLOCKS_FIRST))
 
 
 def _checked_tokens(x: torch.Tensor, whole: bool) -> torch.Tensor:
@@ -801,7 +802,8 @@ class _Product:
         self.block_t = batch_block_t(self.tokens, self.codec.bits, self.k_pad)
 
     def batch(self, block_n: int | None = None, block_t: int | None = None, depth: int | None = None,
-              unroll: int | None = None, chain: int | None = None) -> tuple[int, tuple, dict]:
+              unroll: int | None = None, chain: int | None = None,
+              lane_tree: bool | None = None) -> tuple[int, tuple, dict]:
         """The batch route's launch for this product: (programs, the kernel's per-matrix arguments, its per-matrix
         constants)."""
         bits = self.codec.bits
@@ -813,8 +815,11 @@ class _Product:
         programs = triton.cdiv(self.n, block_n) * triton.cdiv(self.tokens, block_t or self.block_t)
         args = (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
                 self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
+        if lane_tree is None:
+            lane_tree = batch_lane_tree(self.tokens, bits, block_n, block_t or self.block_t)
         constants = {"BITS": bits, "GROUP": self.codec.group, "BLOCK_N": block_n, "DEPTH": depth or default_depth,
-                     "UNROLL": unroll or default_unroll, "CHAIN": chain or batch_chain(self.tokens, bits)}
+                     "UNROLL": unroll or default_unroll, "CHAIN": chain or batch_chain(self.tokens, bits),
+                     "LANE_TREE": lane_tree and _lane_tree_sums()}
         return programs, args, constants
 
 
@@ -832,6 +837,15 @@ def batch_pipeline(tokens: int, rows: int, k_pad: int, bits: int) -> tuple[int, 
     if tokens >= 8:
         return (2, 1) if rows <= 8192 and bits != 8 and (bits != 5 or k_pad >= 6144) else (1, 1)
     return (2, 1) if tokens >= 4 and rows <= 12288 and bits != 8 else (1, 1)
+
+
+def batch_lane_tree(tokens: int, bits: int, block_n: int, block_t: int) -> bool:
+    """Whether the batch route's positions meet by exchanging halves between lanes (`_lane_tree_sum`) rather than
+    in a reduction across lanes per sum: from 8 tokens on, in the 4- and 5-bit programs of 32 sums (4 rows × 8
+    tokens). Elsewhere the loop that ptxas schedules around the other epilogue measured faster (or the epilogue is
+    a small share of the program). From the H200 sweep at 8 tokens (`scripts/device/gemv_bench.py --lane-tree 0,1`,
+    docs/performance.md). It never changes a bit."""
+    return tokens >= 8 and bits in (4, 5) and block_n * block_t == 32
 
 
 def batch_chain(tokens: int, bits: int) -> int:

@@ -8,9 +8,10 @@ Routes (`quant_linear_gemv(route=…)`): "token" (one token per program, the gat
 With `--depth 1,2` and / or `--unroll 1,2` the batch route runs its default tile (at 8 tokens: 4 rows with 4 and
 with 8 tokens a program) with each count of weight tiles loaded ahead (`depth`) and of K tiles per turn of its loop
 (`unroll`) instead of the tile sweep; `--chain 2,4,8` runs every batch tile with each count of `dp4a` per dependent
-chain.
+chain, and `--lane-tree 0,1` with its positions' sums met in a reduction across lanes (0) or by exchanging halves
+between lanes (1).
 Usage: python3 scripts/device/gemv_bench.py [--quick] [--only NAME-PART] [--tokens 1,8] [--depth 1,2] [--unroll 1,2]
-       [--chain 2,4,8]"""
+       [--chain 2,4,8] [--lane-tree 0,1]"""
 
 import itertools
 import sys
@@ -46,8 +47,8 @@ def _ints(flag: str) -> list[int | None]:
     return [int(v) for v in sys.argv[sys.argv.index(flag) + 1].split(",")] if flag in sys.argv else [None]
 
 
-# (depth, unroll, chain); None = the default
-variants = list(itertools.product(_ints("--depth"), _ints("--unroll"), _ints("--chain")))
+# (depth, unroll, chain, lane tree); None = the default
+variants = list(itertools.product(_ints("--depth"), _ints("--unroll"), _ints("--chain"), _ints("--lane-tree")))
 pipeline_sweep = "--depth" in sys.argv or "--unroll" in sys.argv  # then the batch route's default tile only
 # (route, BLOCK_N, warps, tokens per program); None = the route's default
 TOKEN_TILES = [("token", 2, 1, None), ("token", 4, 2, None)]
@@ -82,14 +83,15 @@ for name, n, k, fmt, gathered in SHAPES:
         if token_counts and tokens not in token_counts:
             continue
         acts = quantize_activations(torch.randn(1 if gathered else tokens, k, device="cuda", dtype=torch.bfloat16))
-        for (route, block_n, warps, block_t), (depth, unroll, chain) in itertools.product(tiles, variants):
-            if (route == "batch" and default_route != "batch") or (route == "token" and (pipeline_sweep or chain)):
+        for (route, block_n, warps, block_t), (depth, unroll, chain, lane) in itertools.product(tiles, variants):
+            if (route == "batch" and default_route != "batch") or \
+                    (route == "token" and (pipeline_sweep or chain or lane is not None)):
                 continue
             rotation = itertools.cycle(copies)
             kwargs = dict(block_n=block_n, out_dtype=torch.bfloat16, experts=experts, expert_rows=n,
                           x_per_slot=gathered or 1, num_warps=warps, route=route, block_t=block_t)
             if route == "batch":
-                kwargs.update(depth=depth, unroll=unroll, chain=chain)
+                kwargs.update(depth=depth, unroll=unroll, chain=chain, lane_tree=None if lane is None else bool(lane))
 
             def call(acts=acts, rotation=rotation, shape=(total_rows, k), fmt=fmt, kwargs=kwargs):
                 return quant_linear_gemv(acts, next(rotation), shape, fmt, **kwargs)
@@ -99,7 +101,8 @@ for name, n, k, fmt, gathered in SHAPES:
             key = (name, tokens)
             tile = f"{route} BN={block_n or 'default'} warps={warps or 'default'} tokens/program={block_t or 'default'}"
             tile += "" if route == "token" else (f" depth={depth or 'default'} unroll={unroll or 'default'}"
-                                                 f" chain={chain or 'default'}")
+                                                 f" chain={chain or 'default'}"
+                                                 f" lane tree={'default' if lane is None else lane}")
             if key not in best or fraction > best[key][0]:
                 best[key] = (fraction, us, tile)
             print(f"{name:28s} T={tokens:2d} {tile}: {us:8.1f} us {fraction:5.0%} of the limit", flush=True)
