@@ -818,7 +818,7 @@ class _Product:
         if lane_tree is None:
             lane_tree = batch_lane_tree(self.tokens, bits, block_n, block_t or self.block_t)
         constants = {"BITS": bits, "GROUP": self.codec.group, "BLOCK_N": block_n, "DEPTH": depth or default_depth,
-                     "UNROLL": unroll or default_unroll, "CHAIN": chain or batch_chain(self.tokens, bits),
+                     "UNROLL": unroll or default_unroll, "CHAIN": chain or batch_chain(self.tokens, bits, self.k_pad),
                      "LANE_TREE": lane_tree and _lane_tree_sums()}
         return programs, args, constants
 
@@ -828,14 +828,14 @@ def batch_pipeline(tokens: int, rows: int, k_pad: int, bits: int) -> tuple[int, 
     loop (1 or 2). Few programs (up to 8,192 rows at one token and from 8 tokens on, 12,288 at 4-7 tokens) keep
     too few weight bytes in flight per SM; a second tile ahead helps them, and at one token only when the loop is
     unrolled, so that the tile lands in the registers it is used from (the long-K ones: K ≥ 6,144). From 8 tokens
-    on, q5 programs that hold all 8 tokens (K < 6,144: `batch_block_t`) gain more from the registers a tile fewer
-    frees (27B GDN v|z and attention gate/value). Elsewhere (gate/up, the head, 2-3 tokens, q8 at 4 tokens or
-    more) one tile ahead measured best; unrolling costs more tokens their registers. From the H200 sweeps
+    on, q5 programs that hold all 8 tokens (K < 8,192: `batch_block_t`) gain more from the registers a tile fewer
+    frees (27B GDN v|z, GDN output and attention gate/value). Elsewhere (gate/up, the head, 2-3 tokens, q8 at 4
+    tokens or more) one tile ahead measured best; unrolling costs more tokens their registers. From the H200 sweeps
     (`scripts/device/gemv_bench.py --depth 1,2 --unroll 1,2`, docs/performance.md). Neither changes the bits."""
     if tokens == 1:
         return (2, 2) if rows <= 8192 and k_pad >= 6144 else (1, 1)
     if tokens >= 8:
-        return (2, 1) if rows <= 8192 and bits != 8 and (bits != 5 or k_pad >= 6144) else (1, 1)
+        return (2, 1) if rows <= 8192 and bits != 8 and (bits != 5 or k_pad >= 8192) else (1, 1)
     return (2, 1) if tokens >= 4 and rows <= 12288 and bits != 8 else (1, 1)
 
 
@@ -848,14 +848,17 @@ def batch_lane_tree(tokens: int, bits: int, block_n: int, block_t: int) -> bool:
     return tokens >= 8 and bits in (4, 5) and block_n * block_t == 32
 
 
-def batch_chain(tokens: int, bits: int) -> int:
+def batch_chain(tokens: int, bits: int, k_pad: int) -> int:
     """The batch route's `dp4a` per dependent chain (`_block_dots`) from 8 tokens on: 8 for q6 (the head), whose
-    unpacking gives the scheduler other work beside the long chains, 4 for q5; else, and below 8 tokens, 2. From the
-    H200 sweep at 8 tokens (`scripts/device/gemv_bench.py --quick --tokens 8 --chain 2,4,8`, docs/performance.md).
-    It never changes a bit."""
+    unpacking gives the scheduler other work beside the long chains, and for q5 programs of all 8 tokens with
+    K ≥ 6,144 (the 27B GDN output: 12.6 against 15.5 µs with the lane tree), 4 for the other q5; else, and below 8
+    tokens, 2. From the H200 sweeps at 8 tokens (`scripts/device/gemv_bench.py --tokens 8 --chain 2,4,8`,
+    docs/performance.md). It never changes a bit."""
     if tokens < 8:
         return 2
-    return {6: 8, 5: 4}.get(bits, 2)
+    if bits == 5:
+        return 8 if k_pad >= 6144 and batch_block_t(tokens, bits, k_pad) == 8 else 4
+    return 8 if bits == 6 else 2
 
 
 def batch_block_n(tokens: int, bits: int) -> int:
@@ -866,11 +869,12 @@ def batch_block_n(tokens: int, bits: int) -> int:
 
 
 def batch_block_t(tokens: int, bits: int, k_pad: int) -> int:
-    """Tokens per program of the batch route: up to BATCH_TOKENS, except 4 for q5 matrices with K ≥ 6,144 from 8
-    tokens on (27B down and GDN output: two programs per row tile, the second reading the weights from L2, beat
-    one holding all 8 tokens' records; the H200 sweep at 8 tokens, docs/performance.md). Tokens per program never
-    change a result's bits."""
-    if bits == 5 and tokens >= 8 and k_pad >= 6144:
+    """Tokens per program of the batch route: up to BATCH_TOKENS, except 4 for q5 matrices with K ≥ 8,192 from 8
+    tokens on (27B down: two programs per row tile, the second reading the weights from L2, beat one holding all
+    8 tokens' records; the H200 sweep at 8 tokens, docs/performance.md; the GDN output, K = 6,144, holds all 8
+    since its lane-tree epilogue with chains of 8: 12.6 against 14.4 µs). Tokens per program never change a
+    result's bits."""
+    if bits == 5 and tokens >= 8 and k_pad >= 8192:
         return 4
     return min(BATCH_TOKENS, triton.next_power_of_2(tokens))
 
