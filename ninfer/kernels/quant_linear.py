@@ -292,30 +292,25 @@ if triton is not None:
         return r
 
     @triton.jit
-    def _lane_tree(values, lane, MASK: tl.constexpr, M: tl.constexpr, ASM: tl.constexpr):
-        """`_lane_tree_sum` from the level that pairs lanes p and p ^ MASK, with M values left per lane."""
+    def _lane_tree_sum(values, lane, MASK: tl.constexpr, M: tl.constexpr, ASM: tl.constexpr):
+        """`_pairwise_sum` over the 32 positions of `values` `[32, M]` (position p in lane p, `lane` = p `[32, 1]`;
+        M ≤ 32 sums per lane, a power of 2), the same bits, in 31 shuffles where the reduction across lanes takes
+        5 · M: each level pairs the lanes p and p ^ MASK (MASK = 16, 8, …, 1; callers start at 16), which are the
+        halving tree's pairs, and each lane of a pair keeps half of its sums, lane p the half that bit MASK of p picks
+        (an exchange sends the other half), so a level costs M / 2 shuffles and halves M; once one sum is left, the
+        rest are plain butterflies. Returns `[32, 1]`: lane p holds the sum of value p >> (5 − log2 M), in every lane
+        of its run of 32 / M (an IEEE addition is commutative, so both lanes of a pair get the same bits). The H200
+        profile of the 8-token gate_up put 11.6 % of its samples after the K loop in the reduction across lanes
+        (docs/performance.md)."""
         if M == 1:
             r = values + _shuffle_xor(values, MASK, ASM)
         else:
             first, second = tl.split(tl.permute(tl.reshape(values, [values.shape[0], 2, M // 2]), (0, 2, 1)))
             upper = (lane & MASK) != 0
             r = tl.where(upper, second, first) + _shuffle_xor(tl.where(upper, first, second), MASK, ASM)
-        if MASK > 1:
-            r = _lane_tree(r, lane, MASK // 2, (M + 1) // 2, ASM)
+        if MASK > 1:  # M halves down to 1
+            r = _lane_tree_sum(r, lane, MASK // 2, (M + 1) // 2, ASM)
         return r
-
-    @triton.jit
-    def _lane_tree_sum(values, M: tl.constexpr, ASM: tl.constexpr):
-        """`_pairwise_sum` over the 32 positions of `values` `[32, M]` (position p in lane p; M ≤ 32 sums per lane,
-        a power of 2), the same bits, in 31 shuffles where the reduction across lanes takes 5 · M: each level pairs
-        the lanes p and p ^ MASK (MASK = 16, 8, …, 1), which are the halving tree's pairs, and each lane of a pair
-        keeps half of its sums, lane p the half that bit MASK of p picks (an exchange sends the other half), so a
-        level costs M / 2 shuffles and halves M; once one sum is left, the rest are plain butterflies. Returns
-        `[32, 1]`: lane p holds the sum of value p >> (5 − log2 M), in every lane of its run of 32 / M (an IEEE
-        addition is commutative, so both lanes of a pair get the same bits). The H200 profile of the 8-token
-        gate_up put 11.6 % of its samples after the K loop in the reduction across lanes (docs/performance.md)."""
-        lane = tl.arange(0, 32)[:, None]
-        return _lane_tree(values, lane, 16, M, ASM)
 
     @triton.jit
     def _quads(t):
@@ -364,14 +359,19 @@ if triton is not None:
         return c.to(tl.float32, bitcast=True) - 12582912.0, x_scale
 
     @triton.jit
-    def _row_and_token_tiles(program, N, T, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
-        """A GEMV program's rows and tokens: program = row tile · token tiles + token tile, so the token tiles of one
-        row tile run side by side and the ones after the first read its weights from L2. Returns (rows, row_ok,
-        safe_rows clamped into [0, N) for unmasked, vectorisable loads, tokens)."""
+    def _tile_indices(program, T, BLOCK_T: tl.constexpr):
+        """A batch-route program's (row tile, token tile): program = row tile · token tiles + token tile, so the
+        token tiles of one row tile run side by side and the ones after the first read its weights from L2."""
         token_tiles = tl.cdiv(T, BLOCK_T)
-        rows, row_ok, safe_rows = row_tile(program // token_tiles, N, BLOCK_N)
-        tokens = (program % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
-        return rows, row_ok, safe_rows, tokens
+        return program // token_tiles, program % token_tiles
+
+    @triton.jit
+    def _row_and_token_tiles(program, N, T, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+        """A batch-route program's rows and tokens (`_tile_indices`). Returns (rows, row_ok, safe_rows clamped into
+        [0, N) for unmasked, vectorisable loads, tokens)."""
+        row_index, token_index = _tile_indices(program, T, BLOCK_T)
+        rows, row_ok, safe_rows = row_tile(row_index, N, BLOCK_N)
+        return rows, row_ok, safe_rows, token_index * BLOCK_T + tl.arange(0, BLOCK_T)
 
     @triton.jit
     def _gemv_kernel(x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, expert_ptr,
@@ -500,12 +500,12 @@ if triton is not None:
         if LANE_TREE and BLOCKS == 32 and SUMS <= 32:  # lane p sums value p // COPIES, j = token · BLOCK_N + row
             if not BLOCKS_FIRST:
                 acc = tl.permute(acc, (2, 0, 1))
-            sums = _lane_tree_sum(tl.reshape(acc, [BLOCKS, SUMS]), SUMS, ASM)
-            COPIES: tl.constexpr = 32 // SUMS
             lane = tl.arange(0, 32)[:, None]
-            token_tiles = tl.cdiv(T, BLOCK_T)
-            token = (program % token_tiles) * BLOCK_T + lane // COPIES // BLOCK_N
-            row = (program // token_tiles) * BLOCK_N + lane // COPIES % BLOCK_N
+            sums = _lane_tree_sum(tl.reshape(acc, [BLOCKS, SUMS]), lane, 16, SUMS, ASM)
+            COPIES: tl.constexpr = 32 // SUMS
+            row_index, token_index = _tile_indices(program, T, BLOCK_T)
+            token = token_index * BLOCK_T + lane // COPIES // BLOCK_N
+            row = row_index * BLOCK_N + lane // COPIES % BLOCK_N
             tl.store(out_ptr + token.to(tl.int64) * stride_out + row, sums,
                      mask=(lane % COPIES == 0) & (token < T) & (row < N))
         else:
