@@ -35,8 +35,11 @@ class Branches:
 
     def __init__(self, device: torch.device):
         enabled = device.type == "cuda" and os.environ.get("NINFER_BRANCHES") != "0"
-        self.side = torch.cuda.Stream(device) if enabled else None
-        self.last = torch.cuda.Stream(device) if enabled else None
+        # the step's own streams (the capture's and the second) above the third, whose programs the GPU then
+        # schedules only when none of the step's others wait: a state write does not take a GEMV's place on an SM
+        self.capture = torch.cuda.Stream(device, priority=-1) if enabled else None
+        self.side = torch.cuda.Stream(device, priority=-1) if enabled else None
+        self.last = torch.cuda.Stream(device, priority=0) if enabled else None
         self.pending = False
         self.held: list[torch.Tensor] = []  # read by work put `later()`, kept until `finish()`
 

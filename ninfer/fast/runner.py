@@ -348,7 +348,7 @@ class FastQwen35:
                 self._decode(bucket)  # compiles the kernels outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=self.branches.capture):
                 logits = self._decode(bucket)
             self.graphs[bucket] = (graph, logits)
             self.inputs.copy_(saved)
