@@ -148,12 +148,6 @@ def _record_all() -> None:
                                   torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
                                   torch.zeros(6, v_heads, k_dim, v_dim), slots[:1], k_heads, k_dim, v_heads, v_dim,
                                   1e-6, quantize=True)
-    _, deferred = gdn_decode.gated_delta_decode(  # a batch step whose state write runs later
-        torch.randn(2, channels, dtype=torch.bfloat16), torch.randn(2, v_heads * v_dim, dtype=torch.bfloat16),
-        torch.randn(2, 2 * v_heads, dtype=torch.bfloat16), torch.randn(v_heads), torch.randn(v_heads),
-        torch.randn(v_dim, dtype=torch.bfloat16), torch.zeros(6, v_heads, k_dim, v_dim), slots, k_heads, k_dim,
-        v_heads, v_dim, 1e-6, quantize=True, defer_state=True)
-    gdn_decode.apply_deferred_state(deferred)
     del mixed
     heads, kv_heads, head_dim = 24, 4, 256
     query_key = torch.randn(2, (heads + kv_heads) * head_dim, dtype=torch.bfloat16)

@@ -17,7 +17,7 @@ from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_recurrent, l2_normalize
-from ninfer.kernels.gdn_decode import apply_deferred_state, conv1d_update, gated_delta_decode
+from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 
 
@@ -171,43 +171,6 @@ def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden)
     fused = gated_delta_decode(mixed, z, (x, weight), *vectors, fused_state, slots, *args)
     assert torch.equal(fused, separate) and torch.equal(fused_state, separate_state)
     assert not torch.equal(fused_state, state)  # the step ran
-
-
-@pytest.mark.parametrize("ab_in_kernel", [False, True])
-def test_a_deferred_state_write_gives_the_steps_own_bits(ab_in_kernel):
-    """A one-token step with `defer_state` gives the outputs of the plain step and leaves the pool as it was;
-    `apply_deferred_state` then writes the state the plain step writes, bit for bit, and a second step continues
-    from it as from the plain one (k_dim 48 and v_dim 40: masked rows and columns in both kernels' tiles)."""
-    d, device = Dims(k_heads=2, k_dim=48, v_heads=4, v_dim=40), _device()
-    generator = torch.Generator().manual_seed(7)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(device)
-
-    B = 3
-    vectors = (randn(d.v_heads, scale=0.3), randn(d.v_heads), randn(d.v_dim))
-    state, slots = randn(5, d.v_heads, d.k_dim, d.v_dim, scale=0.1), torch.tensor([3, 0, 4], device=device)
-    args = (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
-    plain_state, deferred_state = state.clone(), state.clone()
-    for step in range(2):
-        mixed, z = randn(B, d.channels), randn(B, d.v_heads * d.v_dim)
-        x, weight = randn(B, 24), randn(2 * d.v_heads, 24, scale=0.3)
-        a_b = (x, weight) if ab_in_kernel else randn(B, 2 * d.v_heads)
-        plain = gated_delta_decode(mixed, z, a_b, *vectors, plain_state, slots, *args, quantize=True)
-        before = deferred_state.clone()
-        out, deferred = gated_delta_decode(mixed, z, a_b, *vectors, deferred_state, slots, *args, quantize=True,
-                                           defer_state=True)
-        assert torch.equal(out.source, plain.source) and torch.equal(out.blocks, plain.blocks), f"step {step}"
-        assert torch.equal(deferred_state, before), f"step {step}: the deferred step wrote the pool"
-        apply_deferred_state(deferred)
-        assert torch.equal(deferred_state, plain_state), f"step {step}: the deferred write differs"
-    untouched = [1, 2]
-    assert torch.equal(deferred_state[untouched], state[untouched])
-    assert not torch.equal(deferred_state, state)  # the steps ran
-    with pytest.raises(ValueError, match="defers its state write"):
-        gated_delta_decode(torch.cat([mixed, mixed]), torch.cat([z, z]), torch.cat([a_b, a_b]) if not ab_in_kernel
-                           else (torch.cat([x, x]), weight), *vectors, deferred_state, slots, *args, tokens=2,
-                           defer_state=True)
 
 
 def test_decode_splits_a_heads_state_into_column_tiles():

@@ -15,10 +15,6 @@ join would cost the host a few microseconds of event calls per layer. Off on the
 Contract for callers: every tensor that branch work reads was made before the fork, every tensor it makes is
 read on the main stream only after a `join()`, and each function that forks joins before it returns, so that a
 buffer freed on either stream is never reused while the other may still use it.
-
-Work that nothing later in the step reads — the GDN layers' deferred state writes (`kernels.gdn_decode`) — goes
-`later()`: to a third stream that only `finish()`, at the end of the step, waits for, so that it neither holds up
-the main stream nor queues ahead of the second stream's work. The tensors it reads are held until then.
 """
 
 from __future__ import annotations
@@ -35,13 +31,8 @@ class Branches:
 
     def __init__(self, device: torch.device):
         enabled = device.type == "cuda" and os.environ.get("NINFER_BRANCHES") != "0"
-        # the step's own streams (the capture's and the second) above the third, whose programs the GPU then
-        # schedules only when none of the step's others wait: a state write does not take a GEMV's place on an SM
-        self.capture = torch.cuda.Stream(device, priority=-1) if enabled else None
-        self.side = torch.cuda.Stream(device, priority=-1) if enabled else None
-        self.last = torch.cuda.Stream(device, priority=0) if enabled else None
+        self.side = torch.cuda.Stream(device) if enabled else None
         self.pending = False
-        self.held: list[torch.Tensor] = []  # read by work put `later()`, kept until `finish()`
 
     @property
     def active(self) -> bool:
@@ -66,23 +57,3 @@ class Branches:
         if self.pending:
             torch.cuda.current_stream(self.side.device).wait_stream(self.side)
             self.pending = False
-
-    @contextlib.contextmanager
-    def later(self, *reads: torch.Tensor) -> Iterator[None]:
-        """Launches made inside go to the third stream, after everything launched on the current stream so far,
-        and only `finish()` waits for them; `reads`, the tensors they read, are held until then. In place when
-        not `active`."""
-        if not self.active:
-            yield
-            return
-        self.last.wait_stream(torch.cuda.current_stream(self.last.device))
-        with torch.cuda.stream(self.last):
-            yield
-        self.held.extend(reads)
-
-    def finish(self) -> None:
-        """The current stream waits for all work put beside or `later()` (the end of a step)."""
-        self.join()
-        if self.held:
-            torch.cuda.current_stream(self.last.device).wait_stream(self.last)
-            self.held.clear()

@@ -39,7 +39,7 @@ from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
-from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, apply_deferred_state, conv1d_update, gated_delta_decode
+from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, gated_delta_decode
 from ninfer.kernels.l2_prefetch import L2Prefetch, prefetch_to_l2
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
@@ -67,9 +67,6 @@ MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the gr
 # kernels before that GEMV run (`_prefetch`), at every site; 0: none (27B on the H200: 2-4 MiB best, 8 MiB and more
 # outlast the window, docs/performance.md)
 L2_PREFETCH_BYTES = int(float(os.environ.get("NINFER_L2_PREFETCH_MIB", "4")) * 2**20)
-# a captured one-token step writes each GDN layer's recurrent state on a third stream, off the critical path
-# (`gdn_decode.DeferredState`, `Branches.later`); NINFER_DEFER_STATE=0: in the delta-rule launch
-DEFER_STATE = os.environ.get("NINFER_DEFER_STATE") != "0"
 
 
 def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
@@ -348,7 +345,7 @@ class FastQwen35:
                 self._decode(bucket)  # compiles the kernels outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.branches.capture):
+            with torch.cuda.graph(graph):
                 logits = self._decode(bucket)
             self.graphs[bucket] = (graph, logits)
             self.inputs.copy_(saved)
@@ -364,8 +361,7 @@ class FastQwen35:
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
                          lambda h, i: self._gdn_decode(h, i, slots), self.int8_activations)
         logits = self._linear(self.head, h, self.int8_activations, torch.float32)
-        # the head's prefetch, positions and tables unused by a model without attention, the deferred state writes
-        self.branches.finish()
+        self.branches.join()  # the head's prefetch, or positions and tables unused by a model without attention
         return logits
 
     def _linears(self, readers: list[PackedLinear], x: torch.Tensor, integer: bool,
@@ -499,17 +495,11 @@ class FastQwen35:
         index = self.cache.gdn_index[layer]
         mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
                               self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)
-        # in a captured one-token step the state write runs beside the rest of the step (`Branches.later`)
-        defer = DEFER_STATE and tokens == 1 and snapshots is None and self.branches.active
         o = gated_delta_decode(mixed, projected[:, key_columns + value_rows :], a_b, self.vectors[prefix + "a_log"],
                                self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
                                self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
                                tokens=tokens, snapshot_slots=snapshots,
-                               quantize=self._quantizes_for(output, mixed, self.int8_activations), defer_state=defer)
-        if defer:
-            o, deferred = o
-            with self.branches.later(deferred.record):
-                apply_deferred_state(deferred)
+                               quantize=self._quantizes_for(output, mixed, self.int8_activations))
         return self._linear(output, o, self.int8_activations)
 
     @staticmethod

@@ -7,8 +7,7 @@ Two Triton kernels, each the fused few-token form of the torch reference path of
   * `gated_delta_decode`: everything after the conv — q/k L2 norm, the gates, T steps of the gated delta rule
     on the sequence's recurrent state (kept in registers between tokens, written back at the end; programs own
     column tiles of a head's state), then the gated RMSNorm of each output in a second launch (optionally
-    writing the int8 records of the output projection's input); a one-token step may leave its state write to
-    `apply_deferred_state`, a third kernel that can run beside the rest of the step (`DeferredState`).
+    writing the int8 records of the output projection's input).
 With `snapshot_slots` `[B, T]`, both also write the state after every token t into pool slot
 snapshot_slots[b, t]: a verify step that accepts j of T draft tokens resumes from snapshot j - 1 (the recurrent
 state cannot be cut back).
@@ -18,8 +17,6 @@ within a call: two rows on one slot race. Under TRITON_INTERPRET=1 they run on t
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -43,7 +40,6 @@ CONV_BLOCK_C = 256  # channels per conv program
 # rather than 48 holding a whole [128, 128] head each (6.6 µs, 23 % of the read bandwidth on the H200)
 DELTA_BLOCK_V = 32
 NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
-STATE_UPDATE_ROWS = 32  # state rows per program of a deferred state write: a contiguous [32, 128] fp32 tile
 # a dense a/b projection up to this K is computed in the delta-rule launch (the head's two rows and the input row
 # in registers beside the state tile)
 AB_IN_KERNEL_MAX_K = 8192
@@ -84,16 +80,14 @@ if triton is not None:
 
     @triton.jit
     def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr,
-                                   snapshot_ptr, o_ptr, record_ptr, stride_mixed, stride_a_b, stride_ab_x, stride_ab_w,
-                                   stride_o, stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K,
+                                   snapshot_ptr, o_ptr, stride_mixed, stride_a_b, stride_ab_x, stride_ab_w, stride_o,
+                                   stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K,
                                    K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                                    L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
-                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, DEFER: tl.constexpr,
-                                   PDL: tl.constexpr):
+                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
-        # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently);
-        # with DEFER (T = 1) it writes the step's update record instead of the new state (`DeferredState`)
+        # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
         head = tl.program_id(1)  # value head; it reads key head head // (V_HEADS // K_HEADS)
         key_head = head // (V_HEADS // K_HEADS)
@@ -138,54 +132,15 @@ if triton is not None:
             softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))  # torch's cut
             g = -tl.exp(a_log) * softplus
 
-            decay = tl.exp(g)
-            S = S * decay
+            S = S * tl.exp(g)
             error = v - tl.sum(k[:, None] * S, 0)
-            delta = error * beta
-            S = _updated_state(S, k, delta)
+            S += k[:, None] * (error * beta)[None, :]
             if SNAPSHOTS:
                 snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
                 tl.store(state_ptr + snapshot * stride_s_slot + head_tile, S, mask=tile_ok)
             o = tl.sum(q[:, None] * S, 0)
             tl.store(o_ptr + row * stride_o + head * V_DIM + vs, o.to(dtype), mask=v_ok)
-            if DEFER:  # record row (sequence, head): k (K_DIM) | the column deltas (V_DIM) | the decay
-                record = record_ptr + (sequence * V_HEADS + head) * (K_DIM + V_DIM + 1)
-                tl.store(record + K_DIM + vs, delta, mask=v_ok)
-                if tl.program_id(2) == 0:
-                    tl.store(record + ks, k, mask=k_ok)
-                    tl.store(record + K_DIM + V_DIM, decay)
-        if not DEFER:
-            tl.store(tile, S, mask=tile_ok)
-
-    @triton.jit
-    def _updated_state(decayed, k, delta):
-        """A delta-rule step's new state from the decayed one: S·e^g + k ⊗ δ, one rounding per element (an FMA), so
-        the deferred write (`_state_update_kernel`) gives the step's own bits."""
-        return tl.fma(k[:, None], delta[None, :], decayed)
-
-    @triton.jit
-    def _state_update_kernel(state_ptr, slot_ptr, record_ptr, stride_s_slot, stride_s_head, stride_s_k, stride_s_v,
-                             K_DIM: tl.constexpr, V_DIM: tl.constexpr, V_HEADS: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
-        # one program: ROWS state rows (k) of one value head of one sequence, all columns; elementwise, so its tile
-        # does not change a bit
-        sequence = tl.program_id(0)
-        head = tl.program_id(1)
-        ks = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
-        vs = tl.arange(0, BLOCK_V)
-        k_ok = ks < K_DIM
-        v_ok = vs < V_DIM
-        record = record_ptr + (sequence * V_HEADS + head) * (K_DIM + V_DIM + 1)
-        k = tl.load(record + ks, mask=k_ok, other=0.0)
-        delta = tl.load(record + K_DIM + vs, mask=v_ok, other=0.0)
-        decay = tl.load(record + K_DIM + V_DIM)
-        slot = tl.load(slot_ptr + sequence).to(tl.int64)
-        tile = state_ptr + slot * stride_s_slot + head * stride_s_head + ks[:, None] * stride_s_k + vs[None, :] * \
-            stride_s_v
-        ok = k_ok[:, None] & v_ok[None, :]
-        S = tl.load(tile, mask=ok, other=0.0)
-        tl.store(tile, _updated_state(S * decay, k, delta), mask=ok)
+        tl.store(tile, S, mask=tile_ok)
 
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, stride_o, stride_z, stride_out, eps,
@@ -288,42 +243,10 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
     return out
 
 
-@dataclass
-class DeferredState:
-    """The state write of a one-token delta-rule step, left for later (`gated_delta_decode(defer_state=True)`).
-
-    `record` `[B, v_heads, k_dim + v_dim + 1]` fp32 holds, per sequence and value head, the step's normalized k, its
-    column deltas δ = (v − kᵀS')·β and its decay e^g (S' = S·e^g); `apply_deferred_state` then writes
-    S·e^g + k ⊗ δ into `state[slots[b]]`, the bits the step itself would have written. Nothing else reads the
-    state within a decode step, so that write can run beside the rest of the step (`fast.branches`), off its
-    critical path: at batch 8 on the H200 the 27B's state traffic (8 × 3.1 MB read and written a GDN layer)
-    bounded the delta-rule launch (docs/performance.md)."""
-
-    record: Tensor
-    state: Tensor
-    slots: Tensor
-
-
-def apply_deferred_state(deferred: DeferredState) -> None:
-    """Write the state of a deferred step (`DeferredState`); before any later step of those sequences."""
-    _require_triton("apply_deferred_state")
-    record, state = deferred.record, deferred.state
-    B, v_heads, k_dim, v_dim = record.shape[0], *state.shape[1:]
-    if B == 0:
-        return
-    rows = min(STATE_UPDATE_ROWS, triton.next_power_of_2(k_dim))
-    _state_update_kernel[(B, v_heads, triton.cdiv(k_dim, rows))](
-        state, deferred.slots, record, state.stride(0), state.stride(1), state.stride(2), state.stride(3),
-        K_DIM=k_dim, V_DIM=v_dim, V_HEADS=v_heads, ROWS=rows, BLOCK_V=triton.next_power_of_2(v_dim), num_warps=4,
-        **launch_options(state.device))
-
-
 def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor], a_log: Tensor, dt_bias: Tensor,
                        norm_weight: Tensor, state: Tensor, slots: Tensor, k_heads: int, k_dim: int, v_heads: int,
                        v_dim: int, eps: float, tokens: int = 1, snapshot_slots: Tensor | None = None,
-                       quantize: bool = False,
-                       defer_state: bool = False) -> Tensor | Int8Activations | tuple[Tensor | Int8Activations,
-                                                                                      DeferredState]:
+                       quantize: bool = False) -> Tensor | Int8Activations:
     """`tokens` Gated DeltaNet tokens per sequence after the conv: gates, delta-rule steps on the pooled state,
     gated norm. Rows b·T … b·T + T − 1 are sequence b's tokens in order; each row is one step below.
 
@@ -350,9 +273,6 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     Two launches: the delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
     on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated
     norm over whole heads (it needs all of a head's o), which also writes the int8 records.
-
-    With `defer_state` (one token, no snapshots) the state is left unwritten and the call returns (out,
-    `DeferredState`): `apply_deferred_state` writes it, with the same bits, before the next step of the sequences.
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"
@@ -391,26 +311,20 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         raise ValueError(f"{name}: all tensors must be on {mixed.device}, got {[str(t.device) for t in tensors]}")
     _check_slots(name, slots, B, mixed.device)
     _check_snapshots(name, snapshot_slots, B, tokens, mixed.device)
-    if defer_state and (tokens != 1 or snapshot_slots is not None):
-        raise ValueError(f"{name}: only a one-token step without snapshots defers its state write, got {tokens} "
-                         f"tokens{' with snapshots' if snapshot_slots is not None else ''}")
     width = v_heads * v_dim
     out = torch.empty((rows, width), dtype=mixed.dtype, device=mixed.device)
     if B == 0:
-        return (out, DeferredState(out.new_empty((0, v_heads, k_dim + v_dim + 1), dtype=torch.float32), state,
-                                   slots)) if defer_state else out
+        return out
     block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
     delta_block_v = min(block_v, DELTA_BLOCK_V)
     o = torch.empty((rows, width), dtype=mixed.dtype, device=mixed.device)
-    record = torch.empty((B, v_heads, k_dim + v_dim + 1), dtype=torch.float32, device=mixed.device) \
-        if defer_state else o
     _gated_delta_decode_kernel[(B, v_heads, triton.cdiv(v_dim, delta_block_v))](
         mixed, a_b, ab_x, ab_w, a_log, dt_bias, state, slots,
-        snapshot_slots if snapshot_slots is not None else slots, o, record, mixed.stride(0), a_b.stride(0),
-        ab_x.stride(0), ab_w.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2),
-        state.stride(3), k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim,
-        BLOCK_K=block_k, BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens,
-        AB_DOT=ab_dot, AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, DEFER=defer_state,
+        snapshot_slots if snapshot_slots is not None else slots, o, mixed.stride(0), a_b.stride(0), ab_x.stride(0),
+        ab_w.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
+        k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k,
+        BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
+        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1,
         num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
         **launch_options(mixed.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
@@ -424,6 +338,6 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         o, z, norm_weight, out, records, o.stride(0), z.stride(0), out.stride(0), eps, record_count,
         V_HEADS=v_heads, V_DIM=v_dim, HEADS=heads, BLOCK_V=block_v, ROUND_NORM_PRODUCT=round_norm_product,
         QUANTIZE=records_here, num_warps=4, **launch_options(mixed.device))
-    if quantize:
-        out = Int8Activations(out, records) if records_here else quantize_activations(out)
-    return (out, DeferredState(record, state, slots)) if defer_state else out
+    if not quantize:
+        return out
+    return Int8Activations(out, records) if records_here else quantize_activations(out)

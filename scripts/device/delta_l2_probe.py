@@ -1,6 +1,5 @@
-"""Is the batch-8 delta rule bound by its states' traffic? Times `gated_delta_decode` (delta rule + gated norm, the
-27B GDN shapes) at B sequences, and its two halves with the state write deferred (`defer_state`: the launches
-without the write, then `apply_deferred_state` alone), with the states cold (L2 flushed by a 512 MiB reduction
+"""Is the batch-8 delta rule bound by reading its states from DRAM? Times `gated_delta_decode` (delta rule + gated
+norm, the 27B GDN shapes) at B sequences with the states cold (L2 flushed by a 512 MiB reduction
 first), warm (the same call just before, so the states it wrote sit in L2 as far as they fit) and prefetched
 (flushed, then `prefetch.global.L2` for every line of the B states from `kernels.l2_prefetch`). Each setup ends
 with a 100 µs spin, so the lines have arrived and the GPU is busy while the host enqueues; the call is a captured
@@ -12,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ninfer.kernels.gdn_decode import apply_deferred_state, gated_delta_decode
+from ninfer.kernels.gdn_decode import gated_delta_decode
 from ninfer.kernels.l2_prefetch import prefetch_to_l2
 
 K_HEADS, K_DIM, V_HEADS, V_DIM = 16, 128, 48, 128  # qwen3.8-27b's Gated DeltaNet
@@ -50,9 +49,9 @@ for batch in batches:
                           dtype=torch.int64, device="cuda")
     prefetch = SimpleNamespace(ranges=ranges, asm=True)
 
-    def eager(mixed=mixed, z=z, a_b=a_b, slots=slots, defer=False):
+    def eager(mixed=mixed, z=z, a_b=a_b, slots=slots):
         return gated_delta_decode(mixed, z, a_b, a_log, dt_bias, norm_weight, state, slots, K_HEADS, K_DIM, V_HEADS,
-                                  V_DIM, 1e-6, quantize=True, defer_state=defer)
+                                  V_DIM, 1e-6, quantize=True)
 
     def captured(function):
         function()  # compiles
@@ -63,9 +62,6 @@ for batch in batches:
         return graph
 
     call = captured(eager).replay
-    deferred = eager(defer=True)[1]
-    without_write = captured(lambda eager=eager: eager(defer=True)).replay
-    write = captured(lambda deferred=deferred: apply_deferred_state(deferred)).replay
 
     def cold():
         torch.sum(flush_buffer, dim=0, out=flush_out)
@@ -82,8 +78,7 @@ for batch in batches:
         torch.cuda._sleep(SPIN_CYCLES)
 
     rows = {"cold": timed(cold, call), "warm": timed(warm, call), "prefetched": timed(prefetched, call),
-            "cold again": timed(cold, call), "deferred, without the write": timed(cold, without_write),
-            "the deferred write alone": timed(cold, write)}
+            "cold again": timed(cold, call)}
     state_mb = batch * slot_bytes / 1e6
     print(f"B={batch} ({state_mb:.1f} MB of state read and written): "
           + ", ".join(f"{name} {us:.1f} µs" for name, us in rows.items()))
