@@ -62,6 +62,11 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 # unpacked once for all its tokens and an x record once for all its rows (tuned on the H200: docs/performance.md)
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
+# the "dot" route (`_gemv_dot_kernel`, an experiment picked only by name): 16 rows × 8 tokens a program on 4 warps
+# (Triton 3.6, sm_90: 166 registers, 397 loop instructions a thread for 16 rows × 8 tokens × 1,024 lanes, against
+# 4 × 583 for the batch route's four 4 × 8 programs; docs/performance.md)
+DOT_ROWS = 16
+DOT_TOKENS = 8
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -515,6 +520,77 @@ if triton is not None:
             tl.store(out, _pairwise_sum(acc, BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
 
     @triton.jit
+    def _word_bytes(words, ASM: tl.constexpr):
+        """int32 words `[A, B, W]` as int8 `[A, B, 4·W]`, byte j of word w at 4w + j: on NVIDIA GPUs one move per
+        word into a register of four packed bytes (`pack=4`), elsewhere shifts."""
+        if ASM:
+            A: tl.constexpr = words.shape[0]
+            B: tl.constexpr = words.shape[1]
+            W: tl.constexpr = words.shape[2]
+            wide = tl.reshape(tl.broadcast_to(words[:, :, :, None], [A, B, W, 4]), [A, B, W * 4])
+            r = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [wide], dtype=tl.int8, is_pure=True,
+                                          pack=4)
+        else:
+            b0, b1 = (words & 0xFF).to(tl.int8), ((words >> 8) & 0xFF).to(tl.int8)
+            b2, b3 = ((words >> 16) & 0xFF).to(tl.int8), ((words >> 24) & 0xFF).to(tl.int8)
+            r = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)),
+                           [words.shape[0], words.shape[1], words.shape[2] * 4])
+        return r
+
+    @triton.jit
+    def _gemv_dot_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad, row_words,
+                         high_row_words, gpr, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr,
+                         PDL: tl.constexpr):
+        """The "dot" route (an experiment, not a default): the batch route's sums with each block's integer dot
+        products on the tensor cores. Per K tile, the weight codes of BLOCK_N rows become int8 `[BLOCKS, BN, 32]`
+        in the activation records' lane order (a block's even quads, then its odd ones: `_weight_quads`), the records
+        of BLOCK_T tokens `[BLOCKS, 32, BT]`, and one batched `tl.dot` per tile gives every (block, row, token) its
+        D = Σ code · x from the accumulator start 0x4B400000 − OFFSET · x_sum, the magic-number bits of
+        `_block_dots`; then the same float steps, the sums kept per block position and added in `_pairwise_sum`'s
+        order: the batch route's bits (tested)."""
+        BLOCKS: tl.constexpr = BLOCK_K // 32
+        OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
+        row_index, token_index = _tile_indices(tl.program_id(0), T, BLOCK_T)
+        rows, row_ok, safe_rows = row_tile(row_index, N, BLOCK_N)
+        tokens = token_index * BLOCK_T + tl.arange(0, BLOCK_T)
+        x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
+        blocks = tl.arange(0, BLOCKS)[:, None, None]
+        u = tl.arange(0, 4)[None, None, :]
+        w_rows = safe_rows[None, :, None]
+        record = x_blocks_ptr + (x_rows[None, None, :] * x_block_count + blocks) * 12
+        acc = tl.zeros((BLOCKS, BLOCK_N, BLOCK_T), dtype=tl.float32)
+        wait_for_inputs(PDL)
+        for k0 in tl.range(0, k_pad, BLOCK_K):
+            unit = k0 // 8 + 4 * blocks + u
+            if BITS == 8:
+                words = tl.load(base_ptr + tl.expand_dims(w_rows * row_words + 2 * unit, -1) + tl.arange(0, 2))
+            else:
+                words = tl.load(base_ptr + w_rows * row_words + unit)
+            if BITS == 5:  # a block's one high word: byte u for unit u
+                high = (tl.load(high_ptr + w_rows * high_row_words + k0 // 32 + blocks + 0 * u) >> (8 * u)) & 0xFF
+            elif BITS == 6:  # word u // 2 of the block's two: 16 bits per unit
+                high = (tl.load(high_ptr + w_rows * high_row_words + k0 // 16 + 2 * blocks + u // 2)
+                        >> (16 * (u % 2))) & 0xFFFF
+            else:
+                high = words
+            even, odd = _weight_quads(words, high, bias, BITS, ASM)
+            quads = tl.reshape(tl.permute(tl.join(even, odd), (0, 1, 3, 2)), [BLOCKS, BLOCK_N, 8])
+            codes = _word_bytes(quads, ASM)
+            x_quads = tl.load(record + k0 // 32 * 12 + tl.arange(0, 8)[None, :, None])  # [BLOCKS, 8, BT]
+            x_codes = tl.permute(_word_bytes(tl.permute(x_quads, (0, 2, 1)), ASM), (0, 2, 1))
+            x_scale = tl.load(record + k0 // 32 * 12 + 8).to(tl.float32, bitcast=True)  # [BLOCKS, 1, BT]
+            start = 0x4B400000 - OFFSET * tl.load(record + k0 // 32 * 12 + 9)
+            dots = tl.dot(codes, x_codes, acc=tl.broadcast_to(start, [BLOCKS, BLOCK_N, BLOCK_T]),
+                          out_dtype=tl.int32)
+            block_dots = dots.to(tl.float32, bitcast=True) - 12582912.0
+            scale = tl.load(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP).to(tl.float32)  # [BLOCKS, BN, 1]
+            acc += block_dots * (scale * x_scale)
+        out = out_ptr + tokens[None, :].to(tl.int64) * stride_out + rows[:, None]
+        tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS),
+                 mask=(tokens < T)[None, :] & row_ok[:, None])
+
+    @triton.jit
     def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_words, gpr, BITS: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
         """A tile of the batch route as loaded, nothing converted (a tile loaded ahead then stays in its load
@@ -710,8 +786,10 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     product = _Product(acts, data, shape, fmt, out, out_dtype, experts, expert_rows)
     route = route or gemv_route(product.k_pad, experts is not None)
-    if route not in ("token", "batch"):
+    if route not in ("token", "batch", "dot"):
         raise ValueError(f"unknown GEMV route {route!r}")
+    if route == "dot" and product.k_pad % BATCH_BLOCK_K:
+        raise ValueError(f"the dot route takes K tiles of {BATCH_BLOCK_K} lanes, not a padded K of {product.k_pad}")
     if route != "token" and experts is not None:
         raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
     block_k = block_k or gemv_block_k(product.k_pad, route)
@@ -719,6 +797,16 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         raise ValueError(f"block_k {block_k} does not divide the padded K of {product.k_pad}")
     if chain not in (None, 2, 4, 8):
         raise ValueError(f"a dp4a chain holds 2, 4 or 8 products, not {chain}")
+    if route == "dot":
+        codec, planes = product.codec, product.planes
+        block_n, block_t = block_n or DOT_ROWS, block_t or DOT_TOKENS
+        high = product.high.view(torch.int32) if len(planes) == 3 else product.high
+        _gemv_dot_kernel[(triton.cdiv(product.n, block_n) * triton.cdiv(product.tokens, block_t),)](
+            acts.blocks, product.tokens, acts.blocks.shape[1], product.base, high, product.scales, product.out,
+            product.n, product.k_pad, planes[0].row_bytes // 4, planes[1].row_bytes // 4 if len(planes) == 3 else 0,
+            product.gpr, product.out.stride(0), product.bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
+            BLOCK_K=BATCH_BLOCK_K, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 4, **launch_options(data.device))
+        return product.out
     if route == "batch":
         programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain,
                                                   lane_tree if (num_warps or 1) == 1 else False)
