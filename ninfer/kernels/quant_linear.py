@@ -25,7 +25,9 @@ Four paths:
         (the later ones read its weights from L2). With `experts` it gathers: output row s uses the
         `expert_rows`-row block of expert `experts[s]` and input row `s // x_per_slot` (the MoE decode GEMV).
     Both keep a sum per block position of the K tile, added in a fixed pairwise order at the end; the tile depends
-    on the matrix only, so a token's result is the same bits at any T (verify = decode) and on either route;
+    on the matrix only, so a token's result is the same bits at any T (verify = decode) and on either route. A third,
+    "dot" (`_gemv_dot_kernel`), is an experiment taken only when named: the batch route's arithmetic with each
+    block's integer dot products on the tensor cores, the same bits;
   * `quant_linear_grouped`: tiles of (token, expert) pairs that share an expert (`group_pairs` plans the tiles on
     the device) through `tl.dot` with bf16 weights (the codes decoded exactly, scaled, rounded to x's dtype) and
     fp32 accumulation, for MoE prefill: one launch per matrix for all experts;
