@@ -1,6 +1,7 @@
 """The tensor-core experiment ("dot" route, `quant_linear._gemv_dot_kernel`) against the batch route at the 27B
-shapes: µs a call (CUDA graphs over rotating copies of the matrix, as `gemv_bench.py` times), and whether the bits
-are equal. Usage: python3 scripts/device/dot_route_bench.py [TOKENS] [NAME-PART]"""
+shapes: µs a call (CUDA graphs over rotating copies of the matrix, as `gemv_bench.py` times) of the batch route's
+default tile and of the dot route at 16 rows on 4 warps (its default) and 32 rows on 8, and whether the bits are
+equal. Usage: python3 scripts/device/dot_route_bench.py [TOKENS] [NAME-PART]"""
 
 import itertools
 import sys
@@ -29,13 +30,15 @@ for name, n, k, fmt in SHAPES:
     same = torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, route="dot"),
                        quant_linear_gemv(acts, data, (n, k), fmt, route="batch"))
     cells = []
-    for route in ("batch", "dot"):
+    for route, block_n, warps in (("batch", None, None), ("dot", 16, 4), ("dot", 32, 8)):
         rotation = itertools.cycle(copies)
 
-        def call(rotation=rotation, route=route, acts=acts, shape=(n, k), fmt=fmt):
-            return quant_linear_gemv(acts, next(rotation), shape, fmt, route=route, out_dtype=torch.bfloat16)
+        def call(rotation=rotation, route=route, block_n=block_n, warps=warps, acts=acts, shape=(n, k), fmt=fmt):
+            return quant_linear_gemv(acts, next(rotation), shape, fmt, route=route, block_n=block_n, num_warps=warps,
+                                     out_dtype=torch.bfloat16)
 
         us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
-        cells.append(f"{route} {us:.1f} us ({codec.encoded_bytes((n, k)) / (us / 1e6) / bandwidth:.0%})")
+        tile = "" if block_n is None else f" {block_n} rows on {warps} warps"
+        cells.append(f"{route}{tile} {us:.1f} us ({codec.encoded_bytes((n, k)) / (us / 1e6) / bandwidth:.0%})")
     print(f"{name} T={tokens}: " + ", ".join(cells) + f", same bits: {same}", flush=True)
     del copies, data
