@@ -65,8 +65,8 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
 # the "dot" route (`_gemv_dot_kernel`, an experiment picked only by name): 16 rows × 8 tokens a program on 4 warps
-# (Triton 3.6, sm_90: 166 registers, 397 loop instructions a thread for 16 rows × 8 tokens × 1,024 lanes, against
-# 4 × 583 for the batch route's four 4 × 8 programs; docs/performance.md)
+# (Triton 3.6, sm_90, q4: 168 registers, 363 loop instructions a thread for 16 rows × 8 tokens × 1,024 lanes, against
+# 583 a program for each of the batch route's four 4 × 8 programs; not yet timed: docs/performance.md)
 DOT_ROWS = 16
 DOT_TOKENS = 8
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
@@ -749,10 +749,10 @@ def _block_k(k_pad: int) -> int:
 
 def gemv_block_k(k_pad: int, route: str = "token") -> int:
     """The integer GEMV's K tile: BATCH_BLOCK_K lanes on the batch route where it divides the padded K (one 32-lane
-    block per lane of a warp), else the widest of 512, 256, 128, 64 lanes dividing it (512 measured best for the
-    token route on the H200, docs/performance.md). It depends on the matrix and route only, never on the token
-    count, so that every token's result is the same bits at any T."""
-    if route == "batch" and k_pad % BATCH_BLOCK_K == 0:
+    block per lane of a warp; the dot route takes only that tile), else the widest of 512, 256, 128, 64 lanes
+    dividing it (512 measured best for the token route on the H200, docs/performance.md). It depends on the matrix
+    and route only, never on the token count, so that every token's result is the same bits at any T."""
+    if route in ("batch", "dot") and k_pad % BATCH_BLOCK_K == 0:
         return BATCH_BLOCK_K
     return next(b for b in (512, 256, 128, 64) if k_pad % b == 0)
 
@@ -775,8 +775,9 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
     a wider buffer). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the result is
     `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `route` ("token" or "batch"; default
-    `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per
-    program of the batch route (default BATCH_TOKENS); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
+    `gemv_route`; "dot", the tensor-core experiment, only by name) picks the kernel; all give the same bits at the
+    same K tile. `block_t`: tokens per program of the batch route (default BATCH_TOKENS; the dot route's
+    DOT_TOKENS, with DOT_ROWS rows for `block_n`); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
     per turn of its loop, 1 or 2 each (default `batch_pipeline`); `chain`: its `dp4a` per dependent chain, 2, 4 or 8
     (default `batch_chain`); `lane_tree`: whether its block positions' sums meet by exchanging halves between lanes
     (`_lane_tree_sum`; default `batch_lane_tree`; on one warp only). None of them changes a result's bits."""
@@ -790,8 +791,9 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     route = route or gemv_route(product.k_pad, experts is not None)
     if route not in ("token", "batch", "dot"):
         raise ValueError(f"unknown GEMV route {route!r}")
-    if route == "dot" and product.k_pad % BATCH_BLOCK_K:
-        raise ValueError(f"the dot route takes K tiles of {BATCH_BLOCK_K} lanes, not a padded K of {product.k_pad}")
+    if route == "dot" and (product.k_pad % BATCH_BLOCK_K or block_k not in (None, BATCH_BLOCK_K)):
+        raise ValueError(f"the dot route takes K tiles of {BATCH_BLOCK_K} lanes, not a padded K of {product.k_pad} "
+                         f"in tiles of {block_k or 'any'}")
     if route != "token" and experts is not None:
         raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
     block_k = block_k or gemv_block_k(product.k_pad, route)
@@ -807,7 +809,7 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
             acts.blocks, product.tokens, acts.blocks.shape[1], product.base, high, product.scales, product.out,
             product.n, product.k_pad, planes[0].row_bytes // 4, planes[1].row_bytes // 4 if len(planes) == 3 else 0,
             product.gpr, product.out.stride(0), product.bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
-            BLOCK_K=BATCH_BLOCK_K, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 4, **launch_options(data.device))
+            BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 4, **launch_options(data.device))
         return product.out
     if route == "batch":
         programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain,
