@@ -553,9 +553,7 @@ if triton is not None:
         order: the batch route's bits (tested)."""
         BLOCKS: tl.constexpr = BLOCK_K // 32
         OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-        row_index, token_index = _tile_indices(tl.program_id(0), T, BLOCK_T)
-        rows, row_ok, safe_rows = row_tile(row_index, N, BLOCK_N)
-        tokens = token_index * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows, row_ok, safe_rows, tokens = _row_and_token_tiles(tl.program_id(0), N, T, BLOCK_N, BLOCK_T)
         x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
         blocks = tl.arange(0, BLOCKS)[:, None, None]
         u = tl.arange(0, 4)[None, None, :]
@@ -564,11 +562,7 @@ if triton is not None:
         acc = tl.zeros((BLOCKS, BLOCK_N, BLOCK_T), dtype=tl.float32)
         wait_for_inputs(PDL)
         for k0 in tl.range(0, k_pad, BLOCK_K):
-            unit = k0 // 8 + 4 * blocks + u
-            if BITS == 8:
-                words = tl.load(base_ptr + tl.expand_dims(w_rows * row_words + 2 * unit, -1) + tl.arange(0, 2))
-            else:
-                words = tl.load(base_ptr + w_rows * row_words + unit)
+            words = _load_base_words(base_ptr, w_rows, k0 // 8 + 4 * blocks + u, row_words, BITS)
             if BITS == 5:  # a block's one high word: byte u for unit u
                 high = (tl.load(high_ptr + w_rows * high_row_words + k0 // 32 + blocks + 0 * u) >> (8 * u)) & 0xFF
             elif BITS == 6:  # word u // 2 of the block's two: 16 bits per unit
@@ -586,7 +580,8 @@ if triton is not None:
             dots = tl.dot(codes, x_codes, acc=tl.broadcast_to(start, [BLOCKS, BLOCK_N, BLOCK_T]),
                           out_dtype=tl.int32)
             block_dots = dots.to(tl.float32, bitcast=True) - 12582912.0
-            scale = tl.load(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP).to(tl.float32)  # [BLOCKS, BN, 1]
+            scale = tl.load(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP)  # [BLOCKS, BN, 1], fp16 bits
+            scale = scale.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             acc += block_dots * (scale * x_scale)
         out = out_ptr + tokens[None, :].to(tl.int64) * stride_out + rows[:, None]
         tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS),
@@ -802,14 +797,11 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     if chain not in (None, 2, 4, 8):
         raise ValueError(f"a dp4a chain holds 2, 4 or 8 products, not {chain}")
     if route == "dot":
-        codec, planes = product.codec, product.planes
         block_n, block_t = block_n or DOT_ROWS, block_t or DOT_TOKENS
-        high = product.high.view(torch.int32) if len(planes) == 3 else product.high
         _gemv_dot_kernel[(triton.cdiv(product.n, block_n) * triton.cdiv(product.tokens, block_t),)](
-            acts.blocks, product.tokens, acts.blocks.shape[1], product.base, high, product.scales, product.out,
-            product.n, product.k_pad, planes[0].row_bytes // 4, planes[1].row_bytes // 4 if len(planes) == 3 else 0,
-            product.gpr, product.out.stride(0), product.bias, BITS=codec.bits, GROUP=codec.group, BLOCK_N=block_n,
-            BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM, num_warps=num_warps or 4, **launch_options(data.device))
+            acts.blocks, product.tokens, acts.blocks.shape[1], *product.words_args(), BITS=product.codec.bits,
+            GROUP=product.codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM,
+            num_warps=num_warps or 4, **launch_options(data.device))
         return product.out
     if route == "batch":
         programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain,
@@ -901,18 +893,22 @@ class _Product:
         bits = self.codec.bits
         block_n = block_n or (256 if INTERPRETED else batch_block_n(self.tokens, bits))
         default_depth, default_unroll = batch_pipeline(self.tokens, self.n, self.k_pad, bits)
-        # `_load_blocks` reads the high plane as int32 words and the scales as their fp16 bits
-        high_words, high_row_words = (self.high.view(torch.int32), self.planes[1].row_bytes // 4) \
-            if len(self.planes) == 3 else (self.high, 0)
         programs = triton.cdiv(self.n, block_n) * triton.cdiv(self.tokens, block_t or self.block_t)
-        args = (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
-                self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
         if lane_tree is None:
             lane_tree = batch_lane_tree(self.tokens, bits, block_n, block_t or self.block_t)
         constants = {"BITS": bits, "GROUP": self.codec.group, "BLOCK_N": block_n, "DEPTH": depth or default_depth,
                      "UNROLL": unroll or default_unroll, "CHAIN": chain or batch_chain(self.tokens, bits, self.k_pad),
                      "LANE_TREE": lane_tree and _lane_tree_sums()}
-        return programs, args, constants
+        return programs, self.words_args(), constants
+
+    def words_args(self) -> tuple:
+        """The per-matrix arguments of the batch and dot kernels, which read the high plane as int32 words and the
+        scales as their fp16 bits: base, high, scales, out, N, padded K, row words of the base and high planes,
+        groups per row, out's row stride, the code offset per byte."""
+        high_words, high_row_words = (self.high.view(torch.int32), self.planes[1].row_bytes // 4) \
+            if len(self.planes) == 3 else (self.high, 0)
+        return (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
+                self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
 
 
 def batch_pipeline(tokens: int, rows: int, k_pad: int, bits: int) -> tuple[int, int]:
