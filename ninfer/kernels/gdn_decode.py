@@ -39,10 +39,17 @@ CONV_BLOCK_C = 256  # channels per conv program
 # state columns per delta-rule program: a [128, 32] fp32 tile, so a 27B step (48 value heads) runs 192 programs
 # rather than 48 holding a whole [128, 128] head each (6.6 µs, 23 % of the read bandwidth on the H200)
 DELTA_BLOCK_V = 32
+# warps of a delta-rule program whose tile has 128 × 32 lanes or more (the state lives in registers): 2 warps took
+# 20.3 µs against 21.2 alone at batch 8 but lost 57 µs a batch-8 step (docs/performance.md, twenty-fifth session)
+DELTA_WARPS = 4
 NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
 # a dense a/b projection up to this K is computed in the delta-rule launch (the head's two rows and the input row
 # in registers beside the state tile)
 AB_IN_KERNEL_MAX_K = 8192
+# steps of up to this many sequences read their state tiles before waiting for the kernel before (PDL): measured on
+# the H200 at the 27B shapes, −27 µs a batch-1 step, +64 µs a batch-8 step, where the early reads of 1,536 programs
+# slow the conv beside them (docs/performance.md, twenty-fifth session)
+EARLY_STATE_SEQUENCES = 1
 
 
 if triton is not None:
@@ -85,8 +92,10 @@ if triton is not None:
                                    K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
                                    V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                                    L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
-                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
+                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, EARLY_STATE: tl.constexpr,
+                                   PDL: tl.constexpr):
+        if not EARLY_STATE:
+            wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
         head = tl.program_id(1)  # value head; it reads key head head // (V_HEADS // K_HEADS)
@@ -103,6 +112,8 @@ if triton is not None:
         tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
         S = tl.load(tile, mask=tile_ok, other=0.0)
+        if EARLY_STATE:  # the tile streamed in while the kernel before finished (`gated_delta_decode`: why it may)
+            wait_for_inputs(PDL)
         dtype = o_ptr.dtype.element_ty
         for t in tl.static_range(T):  # unrolled: a runtime loop carrying S spills more registers
             row = sequence * T + t
@@ -273,6 +284,15 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     Two launches: the delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
     on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated
     norm over whole heads (it needs all of a head's o), which also writes the int8 records.
+
+    Under PDL (`kernels.dependent_launch`) the delta-rule launch reads `slots` (and, for up to
+    EARLY_STATE_SEQUENCES sequences, its state tiles) before it waits for the kernel before it. Data that kernel
+    does not write is safe to read early: PDL starts a launch only once every program of the kernel before has
+    passed its own wait, so every earlier kernel has finished. The pool is written only by this function's
+    delta-rule launches (each followed here by its norm launch, so never right before another) and by kernels
+    without PDL (prefill, state copies: they finish before the next launch starts); `slots` comes from the host or
+    from earlier kernels. So a caller must not write the state tiles or `slots` with a PDL kernel launched right
+    before this function (none does: the runner's is `conv1d_update`).
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"
@@ -324,8 +344,8 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         ab_w.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
         k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k,
         BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
-        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1,
-        num_warps=4 if block_k * delta_block_v >= 128 * 32 else 2,  # the state tile lives in registers
+        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, EARLY_STATE=B <= EARLY_STATE_SEQUENCES,
+        num_warps=DELTA_WARPS if block_k * delta_block_v >= 128 * 32 else 2,
         **launch_options(mixed.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
     round_norm_product = torch.promote_types(norm_weight.dtype, mixed.dtype) == mixed.dtype
