@@ -99,8 +99,6 @@ def _record_all() -> None:
         wide = codec_for(fmt).encode(torch.randn(64, 2048))
         for tokens in (1, 8):  # the batch route at K = 2048 (K tiles of 1,024 lanes), one and several tokens
             quant_linear.quant_linear_gemv(torch.randn(tokens, 2048), wide, (64, 2048), fmt, out_dtype=torch.bfloat16)
-        # the tensor-core experiment at 8 tokens
-        quant_linear.quant_linear_gemv(torch.randn(8, 2048), wide, (64, 2048), fmt, route="dot")
         quant_linear.quant_linear_gemv(x, data, (64, 512), fmt, out_dtype=torch.bfloat16)  # the token route
         quant_linear.dequantize(data, (64, 512), fmt, rows=torch.arange(4, dtype=torch.int32))
     for tokens in (1, 8):  # two matrices of one input in one launch (GDN q|k q4 and v|z q5)

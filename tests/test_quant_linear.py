@@ -177,19 +177,6 @@ def test_both_routes_give_the_same_bits_at_the_same_k_tile(fmt, tokens, n, k):
     assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, route="batch", block_k=block_k), expected)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("tokens", "n"), [(1, 16), (8, 40), (11, 33)])
-def test_the_dot_route_gives_the_batch_routes_bits(fmt, tokens, n):
-    """The tensor-core experiment ("dot": every block's integer dot products from one batched `tl.dot` a K tile,
-    started at the magic number) keeps the batch route's float steps and block-position sums: the same bits, with
-    rows and tokens past a tile masked (33 and 40 rows on tiles of 16, 11 tokens on two tiles of 8)."""
-    k = 2048
-    data, generator = _matrix(fmt, n, k, tokens * n)
-    acts = quantize_activations(torch.randn(tokens, k, generator=generator).to(DEVICE))
-    expected = quant_linear_gemv(acts, data, (n, k), fmt, route="batch")
-    assert torch.equal(quant_linear_gemv(acts, data, (n, k), fmt, route="dot"), expected)
-
-
 @pytest.mark.parametrize(("tokens", "block_n"), [(1, 2), (8, 4), (5, 2), (3, 1), (8, 1), (2, 8)])
 def test_the_lane_tree_gives_the_bits_of_the_pairwise_sum(tokens, block_n):
     """At 1,024-lane tiles the batch route sums its 32 positions by exchanging halves between lanes
@@ -277,8 +264,6 @@ def test_gemv_refuses_what_it_does_not_do():
     with pytest.raises(ValueError, match="the batch route takes whole matrices, not gathered experts"):
         quant_linear_gemv(torch.randn(1, 64, device=DEVICE), codec_for("q4_g64_fp16").encode(torch.randn(16, 64)).to(
             DEVICE), (16, 64), "q4_g64_fp16", experts=torch.tensor([1], device=DEVICE), expert_rows=8, route="batch")
-    with pytest.raises(ValueError, match="the dot route takes K tiles of 1024 lanes"):
-        quant_linear_gemv(torch.randn(1, 64, device=DEVICE), data.to(DEVICE), (8, 64), "q4_g64_fp16", route="dot")
     with pytest.raises(ValueError, match="unknown GEMV route 'fast'"):
         quant_linear_gemv(torch.randn(1, 64, device=DEVICE), data.to(DEVICE), (8, 64), "q4_g64_fp16", route="fast")
     with pytest.raises(ValueError, match="x has 32 features, the matrix 64"):

@@ -82,19 +82,6 @@ def test_lane_tree_on_cuda_gives_the_bits_of_the_pairwise_sum(name, tokens):
         assert torch.equal(got, expected), f"{name} T={tokens} BN={block_n}"
 
 
-@pytest.mark.parametrize("name", ["27b attention/query_key", "27b mlp/down", "27b token head", "mtp q8"])
-@pytest.mark.parametrize("tokens", [1, 8, 11])
-def test_dot_route_on_cuda_gives_the_batch_routes_bits(name, tokens):
-    """The tensor-core experiment ("dot") on the GPU: its int8 operands packed four bytes a register (`pack=4`) and
-    its block dot products from `mma`, the batch route's bits."""
-    n, k, fmt = SHAPES[name]
-    generator = torch.Generator(device="cuda").manual_seed(tokens + 11)
-    data = codec_for(fmt).encode(torch.randn(n, k, device="cuda", generator=generator) * 0.02)
-    x = torch.randn(tokens, k, device="cuda", generator=generator)
-    expected = quant_linear_gemv(x, data, (n, k), fmt, route="batch")
-    assert torch.equal(quant_linear_gemv(x, data, (n, k), fmt, route="dot"), expected), f"{name} T={tokens}"
-
-
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])
 def test_expert_gather_on_cuda(fmt):
     experts, rows, k, top_k = 256, 1024, 2048, 8  # 35B-A3B routed gate_up

@@ -17,8 +17,6 @@ The output has x's dtype unless asked otherwise; MoE experts go through `gather`
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -62,10 +60,6 @@ def shared_input(x: torch.Tensor | Int8Activations, readers: list[PackedLinear])
 # steps of up to this many tokens run two GEMVs of one input in one launch (`project`); measured on the H200 at 1
 # and 8 tokens (docs/performance.md)
 PAIRED_GEMV_TOKENS = 8
-# NINFER_DOT_ROUTE_TOKENS=N: steps of N tokens or more take the integer GEMV's "dot" route (the tensor-core
-# experiment: the batch route's bits) for the matrices that do not share a launch; 0 (the default): never. A switch
-# for measuring that route end to end (docs/performance.md, twenty-fourth session), not a tuned setting.
-DOT_ROUTE_TOKENS = int(os.environ.get("NINFER_DOT_ROUTE_TOKENS", "0"))
 
 
 def shares_launch(x: torch.Tensor | Int8Activations, first: PackedLinear, second: PackedLinear) -> bool:
@@ -158,9 +152,7 @@ class PackedLinear:
         out_dtype = out.dtype if out is not None else out_dtype or source.dtype
         route = self.route(x)
         if route == "integer":
-            dot = DOT_ROUTE_TOKENS and self.batch_route and x.shape[0] >= DOT_ROUTE_TOKENS
-            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out,
-                                     route="dot" if dot else None)
+            return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out)
         if route == "dense":
             result = dense_linear_gemv(source.to(self.weight.dtype), self.weight, out_dtype=out_dtype)
         elif route == "cublas":

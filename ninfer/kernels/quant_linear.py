@@ -25,9 +25,7 @@ Four paths:
         (the later ones read its weights from L2). With `experts` it gathers: output row s uses the
         `expert_rows`-row block of expert `experts[s]` and input row `s // x_per_slot` (the MoE decode GEMV).
     Both keep a sum per block position of the K tile, added in a fixed pairwise order at the end; the tile depends
-    on the matrix only, so a token's result is the same bits at any T (verify = decode) and on either route. A third,
-    "dot" (`_gemv_dot_kernel`), is an experiment taken only when named: the batch route's arithmetic with each
-    block's integer dot products on the tensor cores, the same bits;
+    on the matrix only, so a token's result is the same bits at any T (verify = decode) and on either route;
   * `quant_linear_grouped`: tiles of (token, expert) pairs that share an expert (`group_pairs` plans the tiles on
     the device) through `tl.dot` with bf16 weights (the codes decoded exactly, scaled, rounded to x's dtype) and
     fp32 accumulation, for MoE prefill: one launch per matrix for all experts;
@@ -64,11 +62,6 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 # unpacked once for all its tokens and an x record once for all its rows (tuned on the H200: docs/performance.md)
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
-# the "dot" route (`_gemv_dot_kernel`, an experiment picked only by name): 16 rows × 8 tokens a program on 4 warps
-# (Triton 3.6, sm_90, q4: 168 registers, 363 loop instructions a thread for 16 rows × 8 tokens × 1,024 lanes, against
-# 583 a program for each of the batch route's four 4 × 8 programs; not yet timed: docs/performance.md)
-DOT_ROWS = 16
-DOT_TOKENS = 8
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -522,72 +515,6 @@ if triton is not None:
             tl.store(out, _pairwise_sum(acc, BLOCKS), mask=(tokens < T)[:, None] & row_ok[None, :])
 
     @triton.jit
-    def _word_bytes(words, ASM: tl.constexpr):
-        """int32 words `[A, B, W]` as int8 `[A, B, 4·W]`, byte j of word w at 4w + j: on NVIDIA GPUs one move per
-        word into a register of four packed bytes (`pack=4`), elsewhere shifts."""
-        if ASM:
-            A: tl.constexpr = words.shape[0]
-            B: tl.constexpr = words.shape[1]
-            W: tl.constexpr = words.shape[2]
-            wide = tl.reshape(tl.broadcast_to(words[:, :, :, None], [A, B, W, 4]), [A, B, W * 4])
-            r = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [wide], dtype=tl.int8, is_pure=True,
-                                          pack=4)
-        else:
-            b0, b1 = (words & 0xFF).to(tl.int8), ((words >> 8) & 0xFF).to(tl.int8)
-            b2, b3 = ((words >> 16) & 0xFF).to(tl.int8), ((words >> 24) & 0xFF).to(tl.int8)
-            r = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)),
-                           [words.shape[0], words.shape[1], words.shape[2] * 4])
-        return r
-
-    @triton.jit
-    def _gemv_dot_kernel(x_blocks_ptr, T, x_block_count, base_ptr, high_ptr, scale_ptr, out_ptr, N, k_pad, row_words,
-                         high_row_words, gpr, stride_out, bias, BITS: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr,
-                         PDL: tl.constexpr):
-        """The "dot" route (an experiment, not a default): the batch route's sums with each block's integer dot
-        products on the tensor cores. Per K tile, the weight codes of BLOCK_N rows become int8 `[BLOCKS, BN, 32]`
-        in the activation records' lane order (a block's even quads, then its odd ones: `_weight_quads`), the records
-        of BLOCK_T tokens `[BLOCKS, 32, BT]`, and one batched `tl.dot` per tile gives every (block, row, token) its
-        D = Σ code · x from the accumulator start 0x4B400000 − OFFSET · x_sum, the magic-number bits of
-        `_block_dots`; then the same float steps, the sums kept per block position and added in `_pairwise_sum`'s
-        order: the batch route's bits (tested)."""
-        BLOCKS: tl.constexpr = BLOCK_K // 32
-        OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-        rows, row_ok, safe_rows, tokens = _row_and_token_tiles(tl.program_id(0), N, T, BLOCK_N, BLOCK_T)
-        x_rows = tl.minimum(tokens, T - 1).to(tl.int64)
-        blocks = tl.arange(0, BLOCKS)[:, None, None]
-        u = tl.arange(0, 4)[None, None, :]
-        w_rows = safe_rows[None, :, None]
-        record = x_blocks_ptr + (x_rows[None, None, :] * x_block_count + blocks) * 12
-        acc = tl.zeros((BLOCKS, BLOCK_N, BLOCK_T), dtype=tl.float32)
-        wait_for_inputs(PDL)
-        for k0 in tl.range(0, k_pad, BLOCK_K):
-            words = _load_base_words(base_ptr, w_rows, k0 // 8 + 4 * blocks + u, row_words, BITS)
-            if BITS == 5:  # a block's one high word: byte u for unit u
-                high = (tl.load(high_ptr + w_rows * high_row_words + k0 // 32 + blocks + 0 * u) >> (8 * u)) & 0xFF
-            elif BITS == 6:  # word u // 2 of the block's two: 16 bits per unit
-                high = (tl.load(high_ptr + w_rows * high_row_words + k0 // 16 + 2 * blocks + u // 2)
-                        >> (16 * (u % 2))) & 0xFFFF
-            else:
-                high = words
-            even, odd = _weight_quads(words, high, bias, BITS, ASM)
-            quads = tl.reshape(tl.permute(tl.join(even, odd), (0, 1, 3, 2)), [BLOCKS, BLOCK_N, 8])
-            codes = _word_bytes(quads, ASM)
-            x_quads = tl.load(record + k0 // 32 * 12 + tl.arange(0, 8)[None, :, None])  # [BLOCKS, 8, BT]
-            x_codes = tl.permute(_word_bytes(tl.permute(x_quads, (0, 2, 1)), ASM), (0, 2, 1))
-            x_scale = tl.load(record + k0 // 32 * 12 + 8).to(tl.float32, bitcast=True)  # [BLOCKS, 1, BT]
-            start = 0x4B400000 - OFFSET * tl.load(record + k0 // 32 * 12 + 9)
-            dots = tl.dot(codes, x_codes, acc=tl.broadcast_to(start, [BLOCKS, BLOCK_N, BLOCK_T]),
-                          out_dtype=tl.int32)
-            block_dots = dots.to(tl.float32, bitcast=True) - 12582912.0
-            scale = tl.load(scale_ptr + w_rows * gpr + (k0 + 32 * blocks) // GROUP)  # [BLOCKS, BN, 1], fp16 bits
-            scale = scale.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            acc += block_dots * (scale * x_scale)
-        out = out_ptr + tokens[None, :].to(tl.int64) * stride_out + rows[:, None]
-        tl.store(out, _pairwise_sum(tl.permute(acc, (1, 2, 0)), BLOCKS),
-                 mask=(tokens < T)[None, :] & row_ok[:, None])
-
-    @triton.jit
     def _load_blocks(base_ptr, high_ptr, scale_ptr, w_rows, k0, row_words, high_row_words, gpr, BITS: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
         """A tile of the batch route as loaded, nothing converted (a tile loaded ahead then stays in its load
@@ -744,10 +671,10 @@ def _block_k(k_pad: int) -> int:
 
 def gemv_block_k(k_pad: int, route: str = "token") -> int:
     """The integer GEMV's K tile: BATCH_BLOCK_K lanes on the batch route where it divides the padded K (one 32-lane
-    block per lane of a warp; the dot route takes only that tile), else the widest of 512, 256, 128, 64 lanes
+    block per lane of a warp), else the widest of 512, 256, 128, 64 lanes
     dividing it (512 measured best for the token route on the H200, docs/performance.md). It depends on the matrix
     and route only, never on the token count, so that every token's result is the same bits at any T."""
-    if route in ("batch", "dot") and k_pad % BATCH_BLOCK_K == 0:
+    if route == "batch" and k_pad % BATCH_BLOCK_K == 0:
         return BATCH_BLOCK_K
     return next(b for b in (512, 256, 128, 64) if k_pad % b == 0)
 
@@ -770,9 +697,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
     a wider buffer). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the result is
     `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `route` ("token" or "batch"; default
-    `gemv_route`; "dot", the tensor-core experiment, only by name) picks the kernel; all give the same bits at the
-    same K tile. `block_t`: tokens per program of the batch route (default BATCH_TOKENS; the dot route's
-    DOT_TOKENS, with DOT_ROWS rows for `block_n`); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
+    `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per program of
+    the batch route (default BATCH_TOKENS); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
     per turn of its loop, 1 or 2 each (default `batch_pipeline`); `chain`: its `dp4a` per dependent chain, 2, 4 or 8
     (default `batch_chain`); `lane_tree`: whether its block positions' sums meet by exchanging halves between lanes
     (`_lane_tree_sum`; default `batch_lane_tree`; on one warp only). None of them changes a result's bits."""
@@ -784,11 +710,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     acts = x if isinstance(x, Int8Activations) else quantize_activations(x)
     product = _Product(acts, data, shape, fmt, out, out_dtype, experts, expert_rows)
     route = route or gemv_route(product.k_pad, experts is not None)
-    if route not in ("token", "batch", "dot"):
+    if route not in ("token", "batch"):
         raise ValueError(f"unknown GEMV route {route!r}")
-    if route == "dot" and (product.k_pad % BATCH_BLOCK_K or block_k not in (None, BATCH_BLOCK_K)):
-        raise ValueError(f"the dot route takes K tiles of {BATCH_BLOCK_K} lanes, not a padded K of {product.k_pad} "
-                         f"in tiles of {block_k or 'any'}")
     if route != "token" and experts is not None:
         raise ValueError(f"the {route} route takes whole matrices, not gathered experts")
     block_k = block_k or gemv_block_k(product.k_pad, route)
@@ -796,13 +719,6 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
         raise ValueError(f"block_k {block_k} does not divide the padded K of {product.k_pad}")
     if chain not in (None, 2, 4, 8):
         raise ValueError(f"a dp4a chain holds 2, 4 or 8 products, not {chain}")
-    if route == "dot":
-        block_n, block_t = block_n or DOT_ROWS, block_t or DOT_TOKENS
-        _gemv_dot_kernel[(triton.cdiv(product.n, block_n) * triton.cdiv(product.tokens, block_t),)](
-            acts.blocks, product.tokens, acts.blocks.shape[1], *product.words_args(), BITS=product.codec.bits,
-            GROUP=product.codec.group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, ASM=ASM,
-            num_warps=num_warps or 4, **launch_options(data.device))
-        return product.out
     if route == "batch":
         programs, args, constants = product.batch(block_n, block_t, depth, unroll, chain,
                                                   lane_tree if (num_warps or 1) == 1 else False)
@@ -902,7 +818,7 @@ class _Product:
         return programs, self.words_args(), constants
 
     def words_args(self) -> tuple:
-        """The per-matrix arguments of the batch and dot kernels, which read the high plane as int32 words and the
+        """The per-matrix arguments of the batch kernels, which read the high plane as int32 words and the
         scales as their fp16 bits: base, high, scales, out, N, padded K, row words of the base and high planes,
         groups per row, out's row stride, the code offset per byte."""
         high_words, high_row_words = (self.high.view(torch.int32), self.planes[1].row_bytes // 4) \
