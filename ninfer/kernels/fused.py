@@ -44,6 +44,8 @@ if triton is not None:
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_out,
                              eps, record_count, HAS_H: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
                              SLICE: tl.constexpr, PDL: tl.constexpr):
+        lanes = tl.program_id(1) * SLICE + tl.arange(0, SLICE)  # the lanes this program writes (SLICE == BLOCK: all)
+        w = tl.load(w_ptr + lanes, mask=lanes < D, other=0.0)  # no kernel writes a norm weight: read before the wait
         wait_for_inputs(PDL)
         # every program of a row reduces the whole row (the same bits in each), then writes its SLICE of lanes
         row = tl.program_id(0).to(tl.int64)
@@ -67,7 +69,7 @@ if triton is not None:
             xf = x.to(tl.float32)
         if HAS_H:
             tl.store(sum_ptr + row * D + d, x, mask=ok)
-        y = (xf * rstd * (1.0 + tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32))).to(out_ptr.dtype.element_ty)
+        y = (xf * rstd * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_out + d, y, mask=ok)
         if QUANTIZE:  # the rounded output's int8 records, as `quantize_activations` would make them
             store_tile_records(y, records_ptr, row, record_count, SLICE)

@@ -158,12 +158,13 @@ if triton is not None:
                            record_count, V_HEADS: tl.constexpr, V_DIM: tl.constexpr, HEADS: tl.constexpr,
                            BLOCK_V: tl.constexpr, ROUND_NORM_PRODUCT: tl.constexpr, QUANTIZE: tl.constexpr,
                            PDL: tl.constexpr):
+        vs = tl.arange(0, BLOCK_V)
+        norm_weight = tl.load(norm_weight_ptr + vs, mask=vs < V_DIM, other=0.0)  # no kernel writes it: read early
         wait_for_inputs(PDL)
         # HEADS value heads of one row: rms_norm_gated per head, and with QUANTIZE (V_DIM a multiple of 32, so a
         # head is whole int8 blocks) the output's records
         row = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-        vs = tl.arange(0, BLOCK_V)
         ok = (heads < V_HEADS)[:, None] & (vs < V_DIM)[None, :]
         lanes = heads[:, None] * V_DIM + vs[None, :]
         o = tl.load(o_ptr + row * stride_o + lanes, mask=ok, other=0.0).to(tl.float32)
@@ -171,7 +172,7 @@ if triton is not None:
         # rms_norm_gated with its casts: x̂ rounded to the activation dtype, times the weight (rounded when torch
         # would multiply in the activation dtype), times silu(z) in fp32, rounded once more
         x_hat = (o * tl.rsqrt(tl.sum(o * o, 1) / V_DIM + eps)[:, None]).to(dtype).to(tl.float32)
-        y = tl.load(norm_weight_ptr + vs, mask=vs < V_DIM, other=0.0).to(tl.float32)[None, :] * x_hat
+        y = norm_weight.to(tl.float32)[None, :] * x_hat
         if ROUND_NORM_PRODUCT:
             y = y.to(dtype).to(tl.float32)
         z = tl.load(z_ptr + row * stride_z + lanes, mask=ok, other=0.0).to(tl.float32)
