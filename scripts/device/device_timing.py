@@ -5,6 +5,8 @@ L2 never holds the one a call reads."""
 import torch
 import triton
 
+from ninfer.kernels.gdn_decode import gated_delta_decode
+
 
 def read_bandwidth() -> float:
     """Bytes per second of a 1 GiB fp32 reduction on the current CUDA device, printed in TB/s as well."""
@@ -17,3 +19,57 @@ def read_bandwidth() -> float:
 def rotating_copies(data: torch.Tensor, at_most: int = 63) -> list[torch.Tensor]:
     """`data` and up to `at_most` clones of it, about 256 MiB in all (far past L2)."""
     return [data, *(data.clone() for _ in range(min(at_most, (256 << 20) // data.numel())))]
+
+
+
+SPIN_CYCLES = 200_000  # about 100 µs at the H200's clock
+
+
+class DeltaRule27B:
+    """`gated_delta_decode` (delta rule + gated norm) at qwen3.8-27b's Gated DeltaNet shapes, its per-layer tensors
+    seeded: a pool of POOL_SLOTS fp32 states, a_log, dt_bias, the norm weight."""
+
+    K_HEADS, K_DIM, V_HEADS, V_DIM = 16, 128, 48, 128
+    POOL_SLOTS = 17  # B sequences take slots 2, 4, … (mod 17)
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.state = torch.randn(self.POOL_SLOTS, self.V_HEADS, self.K_DIM, self.V_DIM, device="cuda") * 0.01
+        self.a_log = torch.randn(self.V_HEADS, device="cuda")
+        self.dt_bias = torch.randn(self.V_HEADS, device="cuda")
+        self.norm_weight = torch.randn(self.V_DIM, device="cuda", dtype=torch.bfloat16)
+
+    def inputs(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """One step's inputs for `batch` sequences: the conv output (q | k | v), z, a | b, and the pool slots."""
+        return (torch.randn(batch, 2 * self.K_HEADS * self.K_DIM + self.V_HEADS * self.V_DIM, device="cuda",
+                            dtype=torch.bfloat16),
+                torch.randn(batch, self.V_HEADS * self.V_DIM, device="cuda", dtype=torch.bfloat16),
+                torch.randn(batch, 2 * self.V_HEADS, device="cuda", dtype=torch.bfloat16),
+                torch.arange(1, batch + 1, device="cuda", dtype=torch.int32) * 2 % self.POOL_SLOTS)
+
+    def __call__(self, inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None = None,
+                 quantize: bool = False):
+        mixed, z, a_b, slots = inputs
+        return gated_delta_decode(mixed, z, a_b, self.a_log, self.dt_bias, self.norm_weight,
+                                  self.state if state is None else state, slots, self.K_HEADS, self.K_DIM,
+                                  self.V_HEADS, self.V_DIM, 1e-6, quantize=quantize)
+
+
+def l2_flush():
+    """A function that evicts the 50 MiB L2 (a reduction over 512 MiB)."""
+    buffer, out = torch.ones(1 << 27, device="cuda"), torch.empty((), device="cuda")
+    return lambda: torch.sum(buffer, dim=0, out=out)
+
+
+def median_replay_us(setup, call, repeats: int = 40) -> float:
+    """Median µs of `call` between CUDA events, `setup()` queued before each (not timed)."""
+    times = []
+    for _ in range(repeats):
+        setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
