@@ -47,8 +47,8 @@ NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
 # in registers beside the state tile)
 AB_IN_KERNEL_MAX_K = 8192
 # steps of up to this many sequences read their state tiles before waiting for the kernel before (PDL): measured on
-# the H200 at the 27B shapes, −27 µs a batch-1 step, +64 µs a batch-8 step, where the early reads of 1,536 programs
-# slow the conv beside them (docs/performance.md, twenty-fifth session)
+# the H200 at the 27B shapes, −17 to −29 µs a batch-1 step, about +64 µs a batch-8 step, where the early reads of
+# 1,536 programs likely slow the conv beside them (docs/performance.md, twenty-fifth session)
 EARLY_STATE_SEQUENCES = 1
 
 

@@ -671,9 +671,9 @@ def _block_k(k_pad: int) -> int:
 
 def gemv_block_k(k_pad: int, route: str = "token") -> int:
     """The integer GEMV's K tile: BATCH_BLOCK_K lanes on the batch route where it divides the padded K (one 32-lane
-    block per lane of a warp), else the widest of 512, 256, 128, 64 lanes
-    dividing it (512 measured best for the token route on the H200, docs/performance.md). It depends on the matrix
-    and route only, never on the token count, so that every token's result is the same bits at any T."""
+    block per lane of a warp), else the widest of 512, 256, 128, 64 lanes dividing it (512 measured best for the
+    token route on the H200, docs/performance.md). It depends on the matrix and route only, never on the token
+    count, so that every token's result is the same bits at any T."""
     if route == "batch" and k_pad % BATCH_BLOCK_K == 0:
         return BATCH_BLOCK_K
     return next(b for b in (512, 256, 128, 64) if k_pad % b == 0)
@@ -697,8 +697,8 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     `out_dtype` (default fp32), written into `out` when given (a view with unit column stride, such as columns of
     a wider buffer). With `experts` `[S]` (int), W stacks experts of `expert_rows` rows each and the result is
     `[S, expert_rows]`: row s = x[s // x_per_slot] · W_{experts[s]}ᵀ. `route` ("token" or "batch"; default
-    `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per program of
-    the batch route (default BATCH_TOKENS); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
+    `gemv_route`) picks the kernel; both give the same bits at the same K tile. `block_t`: tokens per
+    program of the batch route (default BATCH_TOKENS); `depth`, `unroll`: its weight tiles loaded ahead and K tiles
     per turn of its loop, 1 or 2 each (default `batch_pipeline`); `chain`: its `dp4a` per dependent chain, 2, 4 or 8
     (default `batch_chain`); `lane_tree`: whether its block positions' sums meet by exchanging halves between lanes
     (`_lane_tree_sum`; default `batch_lane_tree`; on one warp only). None of them changes a result's bits."""
@@ -809,22 +809,18 @@ class _Product:
         bits = self.codec.bits
         block_n = block_n or (256 if INTERPRETED else batch_block_n(self.tokens, bits))
         default_depth, default_unroll = batch_pipeline(self.tokens, self.n, self.k_pad, bits)
+        # `_load_blocks` reads the high plane as int32 words and the scales as their fp16 bits
+        high_words, high_row_words = (self.high.view(torch.int32), self.planes[1].row_bytes // 4) \
+            if len(self.planes) == 3 else (self.high, 0)
         programs = triton.cdiv(self.n, block_n) * triton.cdiv(self.tokens, block_t or self.block_t)
+        args = (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
+                self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
         if lane_tree is None:
             lane_tree = batch_lane_tree(self.tokens, bits, block_n, block_t or self.block_t)
         constants = {"BITS": bits, "GROUP": self.codec.group, "BLOCK_N": block_n, "DEPTH": depth or default_depth,
                      "UNROLL": unroll or default_unroll, "CHAIN": chain or batch_chain(self.tokens, bits, self.k_pad),
                      "LANE_TREE": lane_tree and _lane_tree_sums()}
-        return programs, self.words_args(), constants
-
-    def words_args(self) -> tuple:
-        """The per-matrix arguments of the batch kernels, which read the high plane as int32 words and the
-        scales as their fp16 bits: base, high, scales, out, N, padded K, row words of the base and high planes,
-        groups per row, out's row stride, the code offset per byte."""
-        high_words, high_row_words = (self.high.view(torch.int32), self.planes[1].row_bytes // 4) \
-            if len(self.planes) == 3 else (self.high, 0)
-        return (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
-                self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
+        return programs, args, constants
 
 
 def batch_pipeline(tokens: int, rows: int, k_pad: int, bits: int) -> tuple[int, int]:

@@ -21,7 +21,6 @@ def rotating_copies(data: torch.Tensor, at_most: int = 63) -> list[torch.Tensor]
     return [data, *(data.clone() for _ in range(min(at_most, (256 << 20) // data.numel())))]
 
 
-
 SPIN_CYCLES = 200_000  # about 100 µs at the H200's clock
 
 
