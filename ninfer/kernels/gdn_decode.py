@@ -55,35 +55,44 @@ EARLY_STATE_SEQUENCES = 1
 if triton is not None:
 
     @triton.jit
-    def _conv1d_update_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, T,
+    def _conv1d_update_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C,
                               stride_x, stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out,
-                              K: tl.constexpr, BLOCK_C: tl.constexpr, SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
+                              K: tl.constexpr, BLOCK_C: tl.constexpr, T: tl.constexpr, SNAPSHOTS: tl.constexpr,
+                              EARLY: tl.constexpr, PDL: tl.constexpr):
+        if not EARLY:
+            wait_for_inputs(PDL)
         sequence = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = cols < C
         slot = tl.load(slot_ptr + sequence).to(tl.int64)
         window = state_ptr + slot * stride_s_slot + cols * stride_s_c  # column j: the input j - (K-1) steps back
         weights = weight_ptr + cols * stride_w_c
-        for t in range(T):
+        # the window and the weights, read once: the window moves through registers, token by token
+        past = ()
+        taps = ()
+        for j in tl.static_range(K - 1):
+            past = past + (tl.load(window + j * stride_s_k, mask=ok, other=0.0),)  # noqa: RUF005 (see below)
+            taps = taps + (tl.load(weights + j * stride_w_k, mask=ok, other=0.0).to(tl.float32),)  # noqa: RUF005
+        last_tap = tl.load(weights + (K - 1) * stride_w_k, mask=ok, other=0.0).to(tl.float32)
+        if EARLY:  # the window and weights streamed in while the kernel before finished (`conv1d_update`: why)
+            wait_for_inputs(PDL)
+        for t in tl.static_range(T):
             row = sequence * T + t
             x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-            acc = tl.load(weights + (K - 1) * stride_w_k, mask=ok, other=0.0).to(tl.float32) * x.to(tl.float32)
+            acc = last_tap * x.to(tl.float32)
             for j in tl.static_range(K - 1):
-                past = tl.load(window + j * stride_s_k, mask=ok, other=0.0)
-                acc += tl.load(weights + j * stride_w_k, mask=ok, other=0.0).to(tl.float32) * past.to(tl.float32)
-                if j > 0:  # shift left: column j moves to j - 1 (column j - 1 was read in the previous step)
-                    tl.store(window + (j - 1) * stride_s_k, past, mask=ok)
-                    if SNAPSHOTS:
-                        snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
-                        tl.store(state_ptr + snapshot * stride_s_slot + cols * stride_s_c + (j - 1) * stride_s_k,
-                                 past, mask=ok)
-            tl.store(window + (K - 2) * stride_s_k, x, mask=ok)
+                acc += taps[j] * past[j].to(tl.float32)
+            # shift left, the new input the newest column (tuple concatenation: Triton 3.6's frontend has no starred
+            # expressions)
+            past = past[1:] + (x,)  # noqa: RUF005
             if SNAPSHOTS:
-                snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
-                tl.store(state_ptr + snapshot * stride_s_slot + cols * stride_s_c + (K - 2) * stride_s_k, x, mask=ok)
+                snapshot = state_ptr + tl.load(snapshot_ptr + row).to(tl.int64) * stride_s_slot + cols * stride_s_c
+                for j in tl.static_range(K - 1):
+                    tl.store(snapshot + j * stride_s_k, past[j], mask=ok)
             out = acc * tl.sigmoid(acc)
             tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+        for j in tl.static_range(K - 1):
+            tl.store(window + j * stride_s_k, past[j], mask=ok)
 
     @triton.jit
     def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr,
@@ -223,6 +232,13 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
     Shapes: x `[B·T, C]` fp32/bf16/fp16 with unit column stride (a row-slice view is fine); weight `[C, K]`, K ≥ 2,
     any float dtype; conv_state `[S, C, K-1]` in x's dtype (any strides); slots `[B]` int32/int64 on x's
     device; slots and snapshot slots all distinct, in [0, S) (not checked: no host sync). Returns `[B·T, C]`.
+
+    A program reads its window and weights once and moves the window through registers, token by token. Under PDL
+    (`kernels.dependent_launch`), for up to EARLY_STATE_SEQUENCES sequences it reads `slots`, the windows and the
+    weights before it waits for the kernel before it, by `gated_delta_decode`'s argument: the pool is written only
+    by this function's launches (never two in a row: the runner runs the delta rule after each) and by kernels
+    without PDL, so a caller must not write the windows or `slots` with a PDL kernel launched right before this
+    function (the runner's is the projection GEMV).
     """
     _require_triton("conv1d_update")
     if x.dim() != 2 or weight.dim() != 2:
@@ -248,10 +264,10 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
     if B == 0:
         return out
     _conv1d_update_kernel[(B, triton.cdiv(C, CONV_BLOCK_C))](
-        x, weight, conv_state, slots, snapshot_slots if snapshot_slots is not None else slots, out, C, tokens,
+        x, weight, conv_state, slots, snapshot_slots if snapshot_slots is not None else slots, out, C,
         x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0), conv_state.stride(1),
-        conv_state.stride(2), out.stride(0), K=K, BLOCK_C=CONV_BLOCK_C, SNAPSHOTS=snapshot_slots is not None,
-        **launch_options(x.device))
+        conv_state.stride(2), out.stride(0), K=K, BLOCK_C=CONV_BLOCK_C, T=tokens, SNAPSHOTS=snapshot_slots is not None,
+        EARLY=B <= EARLY_STATE_SEQUENCES, **launch_options(x.device))
     return out
 
 

@@ -177,7 +177,6 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(qk_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, stride_row,
                              heads, kv_heads, eps, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         d = tl.arange(0, HEAD_DIM)
@@ -191,13 +190,17 @@ if triton is not None:
         else:
             weight_ptr = k_norm_ptr
             out = k_ptr + (b * kv_heads + h - heads) * HEAD_DIM
-        x = tl.load(row + d).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / HEAD_DIM + eps)
-        y = x * rstd * (1.0 + tl.load(weight_ptr + d).to(tl.float32))
-        x_partner = tl.load(row + partner, mask=rotated, other=0.0).to(tl.float32)
-        y_partner = x_partner * rstd * (1.0 + tl.load(weight_ptr + partner, mask=rotated, other=0.0).to(tl.float32))
+        # what the kernel before does not write, read before waiting for it (`qk_norm_rope`: why)
+        scale = 1.0 + tl.load(weight_ptr + d).to(tl.float32)
+        scale_partner = 1.0 + tl.load(weight_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
         angle = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + d % half, mask=rotated, other=0.0)
         angle = _reduce_angle(angle)
+        wait_for_inputs(PDL)
+        x = tl.load(row + d).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / HEAD_DIM + eps)
+        y = x * rstd * scale
+        x_partner = tl.load(row + partner, mask=rotated, other=0.0).to(tl.float32)
+        y_partner = x_partner * rstd * scale_partner
         y_rot = y * tl.cos(angle) + tl.where(d < half, -y_partner, y_partner) * tl.sin(angle)
         tl.store(out + d, tl.where(rotated, y_rot, y).to(q_ptr.dtype.element_ty))
 
@@ -217,6 +220,11 @@ def qk_norm_rope(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: T
     three MRoPE rows equal); inv_freq `[rotary_dim / 2]` fp32 = 1 / theta^(2j / rotary_dim). head_dim a power of
     two, rotary_dim even and ≤ head_dim. Returns q `[B, heads, head_dim]`, k `[B, kv_heads, head_dim]` (contiguous,
     query_key's dtype).
+
+    Under PDL (`kernels.dependent_launch`) the kernel reads the norm weights, `inv_freq` and `positions` before it
+    waits for the kernel before it: no kernel writes the first two, and PDL starts a launch only once every program
+    of the kernel before has passed its own wait, so every earlier kernel has finished. A caller must not write
+    `positions` with a PDL kernel launched right before this function (the runner's is the query_key GEMV).
     """
     if triton is None:
         raise RuntimeError("qk_norm_rope needs the triton package")
