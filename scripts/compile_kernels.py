@@ -34,16 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ninfer.kernels import (
-    activation_quant,
-    dense_linear,
-    fp8_linear,
-    fused,
-    gdn_decode,
-    paged_attention,
-    quant_linear,
-    quant_linear_mma,
-)
+from ninfer.kernels import activation_quant, dense_linear, fp8_linear, fused, gdn_decode, paged_attention, quant_linear
 from ninfer.quant import codec_for
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.uint8: "u8",
@@ -98,8 +89,7 @@ def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict, di
 
 def _record_all() -> None:
     """Call every wrapper the fast path uses, in the variants it uses (formats, T, gather, KV dtypes)."""
-    for module in (activation_quant, dense_linear, quant_linear, quant_linear_mma, fp8_linear, fused, gdn_decode,
-                   paged_attention):
+    for module in (activation_quant, dense_linear, quant_linear, fp8_linear, fused, gdn_decode, paged_attention):
         for name in dir(module):
             if name.startswith("_") and name.endswith("_kernel"):
                 setattr(module, name, _Recorder(module, name))
@@ -111,13 +101,6 @@ def _record_all() -> None:
             quant_linear.quant_linear_gemv(torch.randn(tokens, 2048), wide, (64, 2048), fmt, out_dtype=torch.bfloat16)
         quant_linear.quant_linear_gemv(x, data, (64, 512), fmt, out_dtype=torch.bfloat16)  # the token route
         quant_linear.dequantize(data, (64, 512), fmt, rows=torch.arange(4, dtype=torch.int32))
-    q4 = codec_for("q4_g64_fp16").encode(torch.randn(64, 2048))
-    for stripes, x_ahead in ((1, False), (2, False), (1, True), (2, True)):  # the tensor-core route
-        quant_linear_mma.quant_linear_gemv_mma(activation_quant.quantize_activations(torch.randn(8, 2048)), q4,
-                                               (64, 2048), "q4_g64_fp16", stripes=stripes, x_ahead=x_ahead)
-    for depth in (1, 2):
-        quant_linear_mma.quant_linear_gemv_mma(activation_quant.quantize_activations(torch.randn(8, 2048)), q4,
-                                               (64, 2048), "q4_g64_fp16", persistent=1, depth=depth)
     for tokens in (1, 8):  # two matrices of one input in one launch (GDN q|k q4 and v|z q5)
         acts = activation_quant.quantize_activations(torch.randn(tokens, 2048))
         quant_linear.quant_linear_gemv_pair(
