@@ -4,11 +4,14 @@ A decode step is hundreds of short kernels in a row; without PDL each one starts
 finished, so every launch pays its start-up (scheduling its programs, their first loads) in series. With PDL
 (`launch_pdl=True`), a kernel may be scheduled while the kernel before it still runs, and waits with
 `griddepcontrol.wait` until that kernel — and through it every earlier one — has finished and its writes are
-visible. The contract of every kernel launched with `launch_options`: it calls `wait_for_inputs(PDL)` before it reads
-anything another kernel wrote and before it writes anything; only data no kernel writes (packed weights, norm
-weights) may be loaded before it, which is how a GEMV streams its first weight tile while the kernel before it
-finishes. `wait_for_inputs` also lets the next kernel be scheduled at once. Kernels launched without PDL (torch's,
-cuBLAS) keep the stream's full ordering on both sides. The method is NVIDIA's (CUDA programming guide,
+visible. The contract of every kernel launched with `launch_options`: it calls `wait_for_inputs(PDL)` before it
+reads anything the kernel launched right before it may write and before it writes anything. Data no kernel writes
+(packed weights, norm weights) may be loaded before it, which is how a GEMV streams its first weight tile while the
+kernel before it finishes; so may data only earlier kernels write, since a launch starts only once every program of the
+kernel before has passed its own wait, by when every earlier kernel has finished. A kernel that reads such data
+early says which in its docstring, and its callers must not write it with a PDL kernel launched right before.
+`wait_for_inputs` also lets the next kernel be scheduled at once. Kernels launched without PDL (torch's, cuBLAS)
+keep the stream's full ordering on both sides. The method is NVIDIA's (CUDA programming guide,
 "Programmatic Dependent Launch and Synchronization"; Triton exposes it as `launch_pdl` and
 `tl.extra.cuda.gdc_wait` / `gdc_launch_dependents`). Off under the interpreter, on other backends and before sm_90:
 there the kernels run as before.

@@ -67,11 +67,12 @@ if triton is not None:
         slot = tl.load(slot_ptr + sequence).to(tl.int64)
         window = state_ptr + slot * stride_s_slot + cols * stride_s_c  # column j: the input j - (K-1) steps back
         weights = weight_ptr + cols * stride_w_c
-        # the window and the weights, read once: the window moves through registers, token by token
+        # the window and the weights, read once: the window moves through registers, token by token (tuples grow by
+        # concatenation: Triton 3.6's frontend has no starred expressions)
         past = ()
         taps = ()
         for j in tl.static_range(K - 1):
-            past = past + (tl.load(window + j * stride_s_k, mask=ok, other=0.0),)  # noqa: RUF005 (see below)
+            past = past + (tl.load(window + j * stride_s_k, mask=ok, other=0.0),)  # noqa: RUF005
             taps = taps + (tl.load(weights + j * stride_w_k, mask=ok, other=0.0).to(tl.float32),)  # noqa: RUF005
         last_tap = tl.load(weights + (K - 1) * stride_w_k, mask=ok, other=0.0).to(tl.float32)
         if EARLY:  # the window and weights streamed in while the kernel before finished (`conv1d_update`: why)
@@ -82,9 +83,7 @@ if triton is not None:
             acc = last_tap * x.to(tl.float32)
             for j in tl.static_range(K - 1):
                 acc += taps[j] * past[j].to(tl.float32)
-            # shift left, the new input the newest column (tuple concatenation: Triton 3.6's frontend has no starred
-            # expressions)
-            past = past[1:] + (x,)  # noqa: RUF005
+            past = past[1:] + (x,)  # noqa: RUF005 (shift left: the new input is the newest column)
             if SNAPSHOTS:
                 snapshot = state_ptr + tl.load(snapshot_ptr + row).to(tl.int64) * stride_s_slot + cols * stride_s_c
                 for j in tl.static_range(K - 1):
@@ -233,12 +232,11 @@ def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, 
     any float dtype; conv_state `[S, C, K-1]` in x's dtype (any strides); slots `[B]` int32/int64 on x's
     device; slots and snapshot slots all distinct, in [0, S) (not checked: no host sync). Returns `[B·T, C]`.
 
-    A program reads its window and weights once and moves the window through registers, token by token. Under PDL
-    (`kernels.dependent_launch`), for up to EARLY_STATE_SEQUENCES sequences it reads `slots`, the windows and the
-    weights before it waits for the kernel before it, by `gated_delta_decode`'s argument: the pool is written only
-    by this function's launches (never two in a row: the runner runs the delta rule after each) and by kernels
-    without PDL, so a caller must not write the windows or `slots` with a PDL kernel launched right before this
-    function (the runner's is the projection GEMV).
+    A program reads its window and weights once and moves the window through registers, token by token. Under PDL,
+    for up to EARLY_STATE_SEQUENCES sequences it reads `slots`, the windows and the weights before it waits for the
+    kernel before it (`kernels.dependent_launch`'s rule): the pool is written only by this function's launches
+    (never two in a row: the runner runs the delta rule after each) and by kernels without PDL, so a caller must not
+    write the windows or `slots` with a PDL kernel launched right before this function (the runner's is a GEMV).
     """
     _require_triton("conv1d_update")
     if x.dim() != 2 or weight.dim() != 2:
@@ -302,14 +300,12 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated
     norm over whole heads (it needs all of a head's o), which also writes the int8 records.
 
-    Under PDL (`kernels.dependent_launch`) the delta-rule launch reads `slots` (and, for up to
-    EARLY_STATE_SEQUENCES sequences, its state tiles) before it waits for the kernel before it. Data that kernel
-    does not write is safe to read early: PDL starts a launch only once every program of the kernel before has
-    passed its own wait, so every earlier kernel has finished. The pool is written only by this function's
-    delta-rule launches (each followed here by its norm launch, so never right before another) and by kernels
-    without PDL (prefill, state copies: they finish before the next launch starts); `slots` comes from the host or
-    from earlier kernels. So a caller must not write the state tiles or `slots` with a PDL kernel launched right
-    before this function (none does: the runner's is `conv1d_update`).
+    Under PDL the delta-rule launch reads `slots` (and, for up to EARLY_STATE_SEQUENCES sequences, its state tiles)
+    before it waits for the kernel before it (`kernels.dependent_launch`'s rule): the pool is written only by this
+    function's delta-rule launches (each followed here by its norm launch, so never right before another) and by
+    kernels without PDL (prefill, state copies); `slots` comes from the host or from earlier kernels. So a caller
+    must not write the state tiles or `slots` with a PDL kernel launched right before this function (none does: the
+    runner's is `conv1d_update`).
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"

@@ -221,10 +221,9 @@ def qk_norm_rope(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: T
     two, rotary_dim even and ≤ head_dim. Returns q `[B, heads, head_dim]`, k `[B, kv_heads, head_dim]` (contiguous,
     query_key's dtype).
 
-    Under PDL (`kernels.dependent_launch`) the kernel reads the norm weights, `inv_freq` and `positions` before it
-    waits for the kernel before it: no kernel writes the first two, and PDL starts a launch only once every program
-    of the kernel before has passed its own wait, so every earlier kernel has finished. A caller must not write
-    `positions` with a PDL kernel launched right before this function (the runner's is the query_key GEMV).
+    Under PDL the kernel reads the norm weights, `inv_freq` and `positions` before it waits for the kernel before it
+    (`kernels.dependent_launch`'s rule): no kernel writes the first two, and a caller must not write `positions` with
+    a PDL kernel launched right before this function (the runner's is a projection GEMV).
     """
     if triton is None:
         raise RuntimeError("qk_norm_rope needs the triton package")
