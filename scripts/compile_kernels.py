@@ -132,23 +132,23 @@ def _record_all() -> None:
     k_heads, k_dim, v_heads, v_dim = 2, 128, 4, 128
     channels = 2 * k_heads * k_dim + v_heads * v_dim
     slots, snapshots = torch.tensor([0, 1]), torch.tensor([[2, 3], [4, 5]])
-    mixed = gdn_decode.conv1d_update(torch.randn(4, channels, dtype=torch.bfloat16), torch.randn(channels, 4),
-                                     torch.zeros(6, channels, 3, dtype=torch.bfloat16), slots, tokens=2,
-                                     snapshot_slots=snapshots)
-    gdn_decode.gated_delta_decode(torch.randn(4, channels, dtype=torch.bfloat16),
+    conv = (torch.randn(channels, 4), torch.zeros(6, channels, 3, dtype=torch.bfloat16))
+    vectors = (torch.randn(v_heads), torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16))
+    state = torch.zeros(6, v_heads, k_dim, v_dim)
+    gdn_decode.gated_delta_decode(torch.randn(4, channels, dtype=torch.bfloat16),  # a verify step: 2 × 2 tokens
                                   torch.randn(4, v_heads * v_dim, dtype=torch.bfloat16),
-                                  torch.randn(4, 2 * v_heads, dtype=torch.bfloat16), torch.randn(v_heads),
-                                  torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
-                                  torch.zeros(6, v_heads, k_dim, v_dim), slots, k_heads, k_dim, v_heads, v_dim, 1e-6,
-                                  tokens=2, snapshot_slots=snapshots, quantize=True)
+                                  torch.randn(4, 2 * v_heads, dtype=torch.bfloat16), *conv, *vectors, state, slots,
+                                  k_heads, k_dim, v_heads, v_dim, 1e-6, tokens=2, snapshot_slots=snapshots,
+                                  quantize=True)
+    gdn_decode.gated_delta_decode(torch.randn(8, channels, dtype=torch.bfloat16),  # batch 8
+                                  torch.randn(8, v_heads * v_dim, dtype=torch.bfloat16),
+                                  torch.randn(8, 2 * v_heads, dtype=torch.bfloat16), *conv, *vectors, state,
+                                  torch.arange(6).repeat(2)[:8], k_heads, k_dim, v_heads, v_dim, 1e-6, quantize=True)
     gdn_decode.gated_delta_decode(torch.randn(1, channels, dtype=torch.bfloat16),  # a/b in the kernel (one row)
                                   torch.randn(1, v_heads * v_dim, dtype=torch.bfloat16),
                                   (torch.randn(1, 5120, dtype=torch.bfloat16),
-                                   torch.randn(2 * v_heads, 5120, dtype=torch.bfloat16)), torch.randn(v_heads),
-                                  torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16),
-                                  torch.zeros(6, v_heads, k_dim, v_dim), slots[:1], k_heads, k_dim, v_heads, v_dim,
-                                  1e-6, quantize=True)
-    del mixed
+                                   torch.randn(2 * v_heads, 5120, dtype=torch.bfloat16)), *conv, *vectors, state,
+                                  slots[:1], k_heads, k_dim, v_heads, v_dim, 1e-6, quantize=True)
     heads, kv_heads, head_dim = 24, 4, 256
     query_key = torch.randn(2, (heads + kv_heads) * head_dim, dtype=torch.bfloat16)
     q, k = paged_attention.qk_norm_rope(query_key, torch.randn(head_dim), torch.randn(head_dim),

@@ -1,4 +1,4 @@
-"""The batched Gated DeltaNet decode kernels against the torch reference path of `Qwen35Model.gated_deltanet`, under
+"""The batched Gated DeltaNet decode step against the torch reference path of `Qwen35Model.gated_deltanet`, under
 the Triton interpreter on the CPU (tests/conftest.py switches it on), at a tiny non-power-of-two config; the real
 shapes on CUDA are in tests/test_gdn_decode_gpu.py, which reuses `decode_and_compare`."""
 
@@ -17,7 +17,7 @@ from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_recurrent, l2_normalize
-from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
+from ninfer.kernels.gdn_decode import gated_delta_decode
 from ninfer.kernels.norm import rms_norm_gated
 
 
@@ -45,11 +45,14 @@ FP32_OUT, FP32_STATE = Tolerance(1e-5, 1e-4), Tolerance(1e-6, 1e-5)
 
 
 def reference_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: list[int]) -> torch.Tensor:
-    """`causal_conv1d` row by row on the pooled windows (updated in place), as the model runs one sequence."""
+    """`causal_conv1d` row by row on the pooled windows (updated in place), as the model runs one sequence, in fp32
+    and rounded once to x's dtype as the kernel rounds it (the model's bf16 conv rounds the conv and the silu
+    apart: within an ulp)."""
     rows = []
     for b, slot in enumerate(slots):
-        out, conv_state[slot] = causal_conv1d(x[b : b + 1], weight, conv_state[slot])
-        rows.append(out)
+        out, window = causal_conv1d(x[b : b + 1].float(), weight.float(), conv_state[slot].float())
+        conv_state[slot] = window.to(conv_state.dtype)
+        rows.append(out.to(x.dtype))
     return torch.cat(rows)
 
 
@@ -79,10 +82,10 @@ def reference_gdn(mixed: torch.Tensor, z: torch.Tensor, a_b: torch.Tensor, a_log
 def decode_and_compare(d: Dims, slots: list[int], pool: int, steps: int, dtype: torch.dtype, device: str,
                        out_tol: Tolerance, state_tol: Tolerance, slot_dtype: torch.dtype = torch.int64,
                        ab_in_kernel: bool = False) -> None:
-    """`steps` decode steps of B = len(slots) rows through both paths, the state pools carried: each step the
-    conv outputs, the GDN outputs (both fed the kernel's conv output) and the pools must agree, the conv windows
-    exactly, and the slots no row uses must stay bit-identical. With `ab_in_kernel` the kernel computes a/b from
-    the projection's input and weight, and the reference gets their product rounded to the activation dtype."""
+    """`steps` decode steps of B = len(slots) rows through both paths, the pools carried: each step the GDN outputs
+    and the recurrent states must agree, the conv windows exactly, and the slots no row uses must stay bit-identical.
+    With `ab_in_kernel` the kernel computes a/b from the projection's input and weight, and the reference gets
+    their product rounded to the activation dtype."""
     generator = torch.Generator().manual_seed(len(slots) * 1000 + steps)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -108,18 +111,14 @@ def decode_and_compare(d: Dims, slots: list[int], pool: int, steps: int, dtype: 
             ab_input = (randn(B, 43).to(dtype)[:, 3:], randn(2 * d.v_heads, 40, scale=0.3).to(dtype))
             a_b = (ab_input[0].float() @ ab_input[1].float().T).to(dtype)
 
-        expected_mixed = reference_conv(x, weight, ref_conv_pool, slots)
-        mixed = conv1d_update(x, weight, conv_pool, slot_tensor)
-        torch.testing.assert_close(mixed, expected_mixed, atol=out_tol.atol, rtol=out_tol.rtol,
-                                   msg=lambda m, step=step: f"conv out, step {step}: {m}")
-        assert torch.equal(conv_pool, ref_conv_pool), f"conv windows differ after step {step}"
-
+        mixed = reference_conv(x, weight, ref_conv_pool, slots)
         expected = reference_gdn(mixed, z, a_b, a_log, dt_bias, norm_weight, ref_state_pool, slots, d)
-        got = gated_delta_decode(mixed, z, ab_input if ab_in_kernel else a_b, a_log, dt_bias, norm_weight, state_pool,
-                                 slot_tensor, d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
+        got = gated_delta_decode(x, z, ab_input if ab_in_kernel else a_b, weight, conv_pool, a_log, dt_bias,
+                                 norm_weight, state_pool, slot_tensor, d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
         assert got.dtype == dtype and got.shape == (B, value_rows)
         torch.testing.assert_close(got, expected, atol=out_tol.atol, rtol=out_tol.rtol,
                                    msg=lambda m, step=step: f"gdn out, step {step}: {m}")
+        assert torch.equal(conv_pool, ref_conv_pool), f"conv windows differ after step {step}"
         torch.testing.assert_close(state_pool, ref_state_pool, atol=state_tol.atol, rtol=state_tol.rtol,
                                    msg=lambda m, step=step: f"recurrent state, step {step}: {m}")
     for s in untouched:
@@ -162,13 +161,14 @@ def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden)
     B = 3
     mixed, z = randn(B, d.channels), randn(B, d.v_heads * d.v_dim)
     x, weight = randn(B, hidden), randn(2 * d.v_heads, hidden, scale=hidden**-0.5)
+    conv = (randn(d.channels, d.conv_kernel), randn(4, d.channels, d.conv_kernel - 1))
     vectors = (randn(d.v_heads), randn(d.v_heads), randn(d.v_dim))
     state, slots = randn(4, d.v_heads, d.k_dim, d.v_dim, scale=0.1), torch.tensor([2, 0, 3], device=device)
     args = (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
     separate_state, fused_state = state.clone(), state.clone()
-    separate = gated_delta_decode(mixed, z, dense_linear_gemv(x, weight, torch.float32, pairwise=True), *vectors,
-                                  separate_state, slots, *args)
-    fused = gated_delta_decode(mixed, z, (x, weight), *vectors, fused_state, slots, *args)
+    separate = gated_delta_decode(mixed, z, dense_linear_gemv(x, weight, torch.float32, pairwise=True), conv[0],
+                                  conv[1].clone(), *vectors, separate_state, slots, *args)
+    fused = gated_delta_decode(mixed, z, (x, weight), conv[0], conv[1].clone(), *vectors, fused_state, slots, *args)
     assert torch.equal(fused, separate) and torch.equal(fused_state, separate_state)
     assert not torch.equal(fused_state, state)  # the step ran
 
@@ -189,24 +189,31 @@ def test_decode_output_comes_with_the_quantizers_records(v_heads, v_dim):
         return torch.randn(*shape, generator=generator).to(device)
 
     mixed, z, a_b = randn(B, d.channels), randn(B, d.v_heads * v_dim), randn(B, 2 * d.v_heads)
+    weight, conv = randn(d.channels, d.conv_kernel), randn(3, d.channels, d.conv_kernel - 1)
     vectors = (randn(d.v_heads), randn(d.v_heads), randn(v_dim))
     state, slots = randn(3, d.v_heads, d.k_dim, v_dim), torch.tensor([2, 0], device=device)
     args = (d.k_heads, d.k_dim, d.v_heads, v_dim, EPS)
-    plain = gated_delta_decode(mixed, z, a_b, *vectors, state.clone(), slots, *args)
-    acts = gated_delta_decode(mixed, z, a_b, *vectors, state, slots, *args, quantize=True)
+    plain = gated_delta_decode(mixed, z, a_b, weight, conv.clone(), *vectors, state.clone(), slots, *args)
+    acts = gated_delta_decode(mixed, z, a_b, weight, conv, *vectors, state, slots, *args, quantize=True)
     assert torch.equal(acts.source, plain)
     assert torch.equal(acts.blocks, quantize_activations(plain).blocks)
 
 
 def test_conv_window_shifts_in_the_new_inputs_exactly():
-    device, C, K = _device(), 37, 4
+    """Each step moves the window one input on (exact copies), over more steps than the window is long."""
+    d, device, K = TINY, _device(), TINY.conv_kernel
+    C = d.channels
     pool = torch.randn(3, C, K - 1, device=device)
     initial = pool.clone()
     weight = torch.randn(C, K, device=device)
-    slots = torch.tensor([2, 0], device=device)
-    inputs = [torch.randn(2, C, device=device) for _ in range(K)]
+    z, a_b = torch.randn(2, d.v_heads * d.v_dim, device=device), torch.randn(2, 2 * d.v_heads, device=device)
+    vectors = (torch.zeros(d.v_heads, device=device), torch.zeros(d.v_heads, device=device),
+               torch.ones(d.v_dim, device=device))
+    state, slots = torch.zeros(3, d.v_heads, d.k_dim, d.v_dim, device=device), torch.tensor([2, 0], device=device)
+    inputs = [torch.randn(2, C, device=device) for _ in range(K + 1)]
     for step, x in enumerate(inputs):
-        conv1d_update(x, weight, pool, slots)
+        gated_delta_decode(x, z, a_b, weight, pool, *vectors, state, slots, d.k_heads, d.k_dim, d.v_heads, d.v_dim,
+                           EPS)
         for row, slot in enumerate((2, 0)):
             history = torch.cat([initial[slot], torch.stack([x_[row] for x_ in inputs[: step + 1]], dim=1)], dim=1)
             assert torch.equal(pool[slot], history[:, -(K - 1) :]), f"slot {slot} after step {step}"
@@ -216,26 +223,27 @@ def test_conv_window_shifts_in_the_new_inputs_exactly():
 def test_kernels_refuse_inconsistent_inputs():
     d, B = TINY, 2
     mixed, z, a_b = torch.randn(B, d.channels), torch.randn(B, d.v_heads * d.v_dim), torch.randn(B, 2 * d.v_heads)
+    conv = (torch.randn(d.channels, d.conv_kernel), torch.zeros(3, d.channels, d.conv_kernel - 1))
     vectors = (torch.zeros(d.v_heads), torch.zeros(d.v_heads), torch.ones(d.v_dim))
     state, slots = torch.zeros(3, d.v_heads, d.k_dim, d.v_dim), torch.tensor([0, 1])
     dims = (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
-    with pytest.raises(ValueError, match="mixed must be"):
-        gated_delta_decode(mixed[:, :-1], z, a_b, *vectors, state, slots, *dims)
+    with pytest.raises(ValueError, match="x must be"):
+        gated_delta_decode(mixed[:, :-1], z, a_b, *conv, *vectors, state, slots, *dims)
     with pytest.raises(ValueError, match="unit column stride"):
-        gated_delta_decode(mixed, z.T.contiguous().T, a_b, *vectors, state, slots, *dims)
+        gated_delta_decode(mixed, z.T.contiguous().T, a_b, *conv, *vectors, state, slots, *dims)
     with pytest.raises(ValueError, match="state must be"):
-        gated_delta_decode(mixed, z, a_b, *vectors, state.double(), slots, *dims)
+        gated_delta_decode(mixed, z, a_b, *conv, *vectors, state.double(), slots, *dims)
     with pytest.raises(ValueError, match="multiple of k_heads"):
-        gated_delta_decode(mixed, z, a_b, *vectors, state, slots, 3, d.k_dim, d.v_heads, d.v_dim, EPS)
+        gated_delta_decode(mixed, z, a_b, *conv, *vectors, state, slots, 3, d.k_dim, d.v_heads, d.v_dim, EPS)
     with pytest.raises(ValueError, match="slots must be"):
-        gated_delta_decode(mixed, z, a_b, *vectors, state, slots.float(), *dims)
-    x, weight = torch.randn(B, 8), torch.randn(8, 4)
+        gated_delta_decode(mixed, z, a_b, *conv, *vectors, state, slots.float(), *dims)
     with pytest.raises(ValueError, match="conv_state must be"):
-        conv1d_update(x, weight, torch.zeros(3, 8, 4), slots)
+        gated_delta_decode(mixed, z, a_b, conv[0], torch.zeros(3, d.channels, d.conv_kernel), *vectors, state, slots,
+                           *dims)
     with pytest.raises(ValueError, match="conv_state must be"):
-        conv1d_update(x, weight, torch.zeros(3, 8, 3, dtype=torch.bfloat16), slots)
-    with pytest.raises(ValueError, match="weight must be"):
-        conv1d_update(x, torch.randn(9, 4), torch.zeros(3, 8, 3), slots)
+        gated_delta_decode(mixed, z, a_b, conv[0], conv[1].bfloat16(), *vectors, state, slots, *dims)
+    with pytest.raises(ValueError, match="conv_weight must be"):
+        gated_delta_decode(mixed, z, a_b, conv[0][1:], conv[1], *vectors, state, slots, *dims)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 5])
@@ -259,14 +267,13 @@ def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens, a
     state = torch.randn(pool, d.v_heads, d.k_dim, d.v_dim, generator=generator) * 0.1
     snapshots = torch.tensor([[6 + t for t in range(tokens)], [11 + t for t in range(tokens)]])
     ref_conv, ref_state = conv.clone(), state.clone()
-    expected_mixed, expected_out, expected_conv, expected_state = [], [], {}, {}
+    expected_out, expected_conv, expected_state = [], {}, {}
     for b, slot in enumerate(slots):
         for t in range(tokens):
             row = b * tokens + t
             mixed = reference_conv(x[row : row + 1], weight, ref_conv, [slot])
             out = reference_gdn(mixed, z[row : row + 1], a_b[row : row + 1], a_log, dt_bias, norm_weight, ref_state,
                                 [slot], d)
-            expected_mixed.append(mixed)
             expected_out.append(out)
             expected_conv[int(snapshots[b, t])] = ref_conv[slot].clone()
             expected_state[int(snapshots[b, t])] = ref_state[slot].clone()
@@ -275,11 +282,9 @@ def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens, a
         t.to(device) for t in (x, weight, z, a_b, a_log, dt_bias, norm_weight, conv, state, snapshots))
     a_b = tuple(t.to(device) for t in ab_input) if ab_in_kernel else a_b
     slot_tensor = torch.tensor(slots, device=device)
-    mixed = conv1d_update(x, weight, conv, slot_tensor, tokens=tokens, snapshot_slots=snapshots)
-    out = gated_delta_decode(mixed, z, a_b, a_log, dt_bias, norm_weight, state, slot_tensor, d.k_heads, d.k_dim,
-                             d.v_heads, d.v_dim, EPS, tokens=tokens, snapshot_slots=snapshots)
-    mixed, out, conv, state = mixed.cpu(), out.cpu(), conv.cpu(), state.cpu()
-    torch.testing.assert_close(mixed, torch.cat(expected_mixed), atol=FP32_OUT.atol, rtol=FP32_OUT.rtol)
+    out = gated_delta_decode(x, z, a_b, weight, conv, a_log, dt_bias, norm_weight, state, slot_tensor, d.k_heads,
+                             d.k_dim, d.v_heads, d.v_dim, EPS, tokens=tokens, snapshot_slots=snapshots)
+    out, conv, state = out.cpu(), conv.cpu(), state.cpu()
     torch.testing.assert_close(out, torch.cat(expected_out), atol=FP32_OUT.atol, rtol=FP32_OUT.rtol)
     for slot, window in expected_conv.items():
         assert torch.equal(conv[slot], window), f"conv snapshot slot {slot}"
@@ -289,3 +294,34 @@ def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens, a
         torch.testing.assert_close(state[slot], ref_state[slot], atol=FP32_STATE.atol, rtol=FP32_STATE.rtol)
     untouched = [s for s in range(pool) if s not in slots and s not in expected_conv]
     assert torch.equal(conv[untouched], ref_conv[untouched]) and torch.equal(state[untouched], ref_state[untouched])
+
+
+# the interpreter runs fp32 only; the CUDA run of this file adds bf16
+@pytest.mark.parametrize("dtype", [torch.float32] if os.environ.get("TRITON_INTERPRET") == "1" else
+                         [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [TINY, Dims(k_heads=2, k_dim=64, v_heads=4, v_dim=64)])
+def test_a_several_token_call_has_the_bits_of_one_token_calls(d, dtype):
+    """Speculative verify must give each token the bits decoding it alone would: T tokens per sequence in one call
+    against T calls of one token, outputs, windows and states bit for bit (the kernels of the two differ in what
+    the compiler may fuse)."""
+    device = _device()
+    generator = torch.Generator().manual_seed(d.v_dim)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device)
+
+    batch, tokens, pool = 2, 4, 6
+    x = randn(batch, tokens, d.channels).to(dtype)
+    z = randn(batch, tokens, d.v_heads * d.v_dim).to(dtype)
+    a_b = randn(batch, tokens, 2 * d.v_heads).to(dtype)
+    weight = randn(d.channels, d.conv_kernel, scale=0.5).to(dtype)
+    vectors = (randn(d.v_heads, scale=0.5), randn(d.v_heads), (1 + randn(d.v_dim, scale=0.1)).to(dtype))
+    conv, state = randn(pool, d.channels, d.conv_kernel - 1).to(dtype), randn(pool, d.v_heads, d.k_dim, d.v_dim)
+    slots, dims = torch.tensor([4, 1], device=device), (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
+    together_conv, together_state = conv.clone(), state.clone()
+    together = gated_delta_decode(x.flatten(0, 1), z.flatten(0, 1), a_b.flatten(0, 1), weight, together_conv,
+                                  *vectors, together_state, slots, *dims, tokens=tokens)
+    alone = [gated_delta_decode(x[:, t].contiguous(), z[:, t].contiguous(), a_b[:, t].contiguous(), weight, conv,
+                                *vectors, state, slots, *dims) for t in range(tokens)]
+    assert torch.equal(together, torch.stack(alone, dim=1).flatten(0, 1))
+    assert torch.equal(together_conv, conv) and torch.equal(together_state, state)

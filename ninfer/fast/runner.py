@@ -39,7 +39,7 @@ from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
-from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, conv1d_update, gated_delta_decode
+from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, gated_delta_decode
 from ninfer.kernels.l2_prefetch import L2Prefetch, prefetch_to_l2
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
@@ -479,7 +479,7 @@ class FastQwen35:
         query_key, value_z, a_b = (self.linears[prefix + n] for n in GDN_PROJECTIONS)
         output = self.linears[prefix + "output"]
         key_columns = query_key.shape[0]
-        # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view (no concatenation)
+        # q | k and v | z side by side in one buffer: the delta rule's conv reads q | k | v as one row view
         projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
         source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
         outs = [projected[:, :key_columns], projected[:, key_columns:]]
@@ -493,13 +493,12 @@ class FastQwen35:
         self.branches.join()
         self._prefetch([prefix + "output"])
         index = self.cache.gdn_index[layer]
-        mixed = conv1d_update(projected[:, : key_columns + value_rows], self.vectors[prefix + "convolution"],
-                              self.cache.conv[index], slots, tokens=tokens, snapshot_slots=snapshots)
-        o = gated_delta_decode(mixed, projected[:, key_columns + value_rows :], a_b, self.vectors[prefix + "a_log"],
-                               self.vectors[prefix + "dt_bias"], self.vectors[prefix + "norm"],
-                               self.cache.recurrent[index], slots, c.k_heads, c.k_dim, c.v_heads, c.v_dim, c.rms_eps,
-                               tokens=tokens, snapshot_slots=snapshots,
-                               quantize=self._quantizes_for(output, mixed, self.int8_activations))
+        o = gated_delta_decode(projected[:, : key_columns + value_rows], projected[:, key_columns + value_rows :], a_b,
+                               self.vectors[prefix + "convolution"], self.cache.conv[index],
+                               self.vectors[prefix + "a_log"], self.vectors[prefix + "dt_bias"],
+                               self.vectors[prefix + "norm"], self.cache.recurrent[index], slots, c.k_heads, c.k_dim,
+                               c.v_heads, c.v_dim, c.rms_eps, tokens=tokens, snapshot_slots=snapshots,
+                               quantize=self._quantizes_for(output, projected, self.int8_activations))
         return self._linear(output, o, self.int8_activations)
 
     @staticmethod

@@ -1,18 +1,18 @@
 """The Gated DeltaNet decode step for a batch: T = 1..16 new tokens per sequence (T > 1: speculative verify), each
-sequence's state in a pool slot.
+sequence's conv window and recurrent state in a pool slot.
 
-Two Triton kernels, each the fused few-token form of the torch reference path of `Qwen35Model.gated_deltanet`:
-  * `conv1d_update`: `causal_conv1d` for T tokens of each of B sequences, reading and shifting each sequence's
-    conv window in place;
-  * `gated_delta_decode`: everything after the conv — q/k L2 norm, the gates, T steps of the gated delta rule
-    on the sequence's recurrent state (kept in registers between tokens, written back at the end; programs own
-    column tiles of a head's state), then the gated RMSNorm of each output in a second launch (optionally
-    writing the int8 records of the output projection's input).
-With `snapshot_slots` `[B, T]`, both also write the state after every token t into pool slot
+`gated_delta_decode`, the fused few-token form of the torch reference path of `Qwen35Model.gated_deltanet` from the
+input projections on, in two Triton launches:
+  * the delta rule: `causal_conv1d` of each program's channels from its pooled window, q/k L2 norm, the gates and T
+    steps of the gated delta rule on the sequence's recurrent state (kept in registers between tokens, written back
+    at the end; programs own column tiles of a head's state);
+  * the gated RMSNorm of each output (optionally writing the int8 records of the output projection's input), and
+    the windows shifted past the new inputs.
+With `snapshot_slots` `[B, T]`, they also write the window and the state after every token t into pool slot
 snapshot_slots[b, t]: a verify step that accepts j of T draft tokens resumes from snapshot j - 1 (the recurrent
 state cannot be cut back).
-Rows address the pools through `slots` (a device tensor, never read on the host) and nothing but the output is
-allocated, so both can be captured in a CUDA graph (after a first, compiling call). Slots must be distinct
+Rows address the pools through `slots` (a device tensor, never read on the host) and nothing but the outputs is
+allocated, so a step can be captured in a CUDA graph (after a first, compiling call). Slots must be distinct
 within a call: two rows on one slot race. Under TRITON_INTERPRET=1 they run on the CPU (fp32 tested there).
 """
 
@@ -35,7 +35,6 @@ if triton is not None:
     from ninfer.kernels.fixed_order import pairwise_row_sum
 
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
-CONV_BLOCK_C = 256  # channels per conv program
 # state columns per delta-rule program: a [128, 32] fp32 tile, so a 27B step (48 value heads) runs 192 programs
 # rather than 48 holding a whole [128, 128] head each (6.6 µs, 23 % of the read bandwidth on the H200)
 DELTA_BLOCK_V = 32
@@ -55,53 +54,39 @@ EARLY_STATE_SEQUENCES = 1
 if triton is not None:
 
     @triton.jit
-    def _conv1d_update_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C,
-                              stride_x, stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out,
-                              K: tl.constexpr, BLOCK_C: tl.constexpr, T: tl.constexpr, SNAPSHOTS: tl.constexpr,
-                              EARLY: tl.constexpr, PDL: tl.constexpr):
-        if not EARLY:
-            wait_for_inputs(PDL)
-        sequence = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        ok = cols < C
-        slot = tl.load(slot_ptr + sequence).to(tl.int64)
-        window = state_ptr + slot * stride_s_slot + cols * stride_s_c  # column j: the input j - (K-1) steps back
-        weights = weight_ptr + cols * stride_w_c
-        # the window and the weights, read once: the window moves through registers, token by token (tuples grow by
-        # concatenation: Triton 3.6's frontend has no starred expressions)
+    def _conv_window(window, weights, stride_s_k, stride_w_k, ok, K: tl.constexpr):
+        """The conv window of some channels (`window`, `weights`: pointer tensors to their first column): its K − 1
+        past inputs as stored, oldest first, and the K taps in fp32 (tuples grow by concatenation: Triton 3.6's
+        frontend has no starred expressions)."""
         past = ()
         taps = ()
         for j in tl.static_range(K - 1):
             past = past + (tl.load(window + j * stride_s_k, mask=ok, other=0.0),)  # noqa: RUF005
+        for j in tl.static_range(K):
             taps = taps + (tl.load(weights + j * stride_w_k, mask=ok, other=0.0).to(tl.float32),)  # noqa: RUF005
-        last_tap = tl.load(weights + (K - 1) * stride_w_k, mask=ok, other=0.0).to(tl.float32)
-        if EARLY:  # the window and weights streamed in while the kernel before finished (`conv1d_update`: why)
-            wait_for_inputs(PDL)
-        for t in tl.static_range(T):
-            row = sequence * T + t
-            x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-            acc = last_tap * x.to(tl.float32)
-            for j in tl.static_range(K - 1):
-                acc += taps[j] * past[j].to(tl.float32)
-            past = past[1:] + (x,)  # noqa: RUF005 (shift left: the new input is the newest column)
-            if SNAPSHOTS:
-                snapshot = state_ptr + tl.load(snapshot_ptr + row).to(tl.int64) * stride_s_slot + cols * stride_s_c
-                for j in tl.static_range(K - 1):
-                    tl.store(snapshot + j * stride_s_k, past[j], mask=ok)
-            out = acc * tl.sigmoid(acc)
-            tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
-        for j in tl.static_range(K - 1):
-            tl.store(window + j * stride_s_k, past[j], mask=ok)
+        return past, taps
 
     @triton.jit
-    def _gated_delta_decode_kernel(mixed_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr,
-                                   snapshot_ptr, o_ptr, stride_mixed, stride_a_b, stride_ab_x, stride_ab_w, stride_o,
-                                   stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K,
+    def _conv_token(x, past, taps, K: tl.constexpr):
+        """One token of the depthwise causal conv: silu(w[K-1] · x + Σ_j w[j] · past[j]) in fp32, in that order,
+        and the window shifted by x (the newest input last). Every product is rounded where the code says so (FMAs
+        written out, the silu product as `fma(a, b, 0)`), so no variant of the kernel that inlines this fuses it
+        into what follows: the one-token and T-token launches give the same bits (`kernels.fixed_order`)."""
+        acc = taps[K - 1] * x.to(tl.float32)
+        for j in tl.static_range(K - 1):
+            acc = tl.fma(taps[j], past[j].to(tl.float32), acc)
+        return tl.fma(acc, tl.sigmoid(acc), 0.0), past[1:] + (x,)  # noqa: RUF005
+
+    @triton.jit
+    def _gated_delta_decode_kernel(x_ptr, conv_w_ptr, conv_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr,
+                                   state_ptr, slot_ptr, snapshot_ptr, o_ptr, stride_x, stride_w_c, stride_w_k,
+                                   stride_c_slot, stride_c_c, stride_c_k, stride_a_b, stride_ab_x, stride_ab_w,
+                                   stride_o, stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K,
                                    K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
-                                   V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                                   L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr, T: tl.constexpr,
-                                   AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr, EARLY_STATE: tl.constexpr,
-                                   PDL: tl.constexpr):
+                                   V_DIM: tl.constexpr, CONV_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   BLOCK_V: tl.constexpr, L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr,
+                                   T: tl.constexpr, AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr,
+                                   EARLY_STATE: tl.constexpr, PDL: tl.constexpr):
         if not EARLY_STATE:
             wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
@@ -120,15 +105,31 @@ if triton is not None:
         tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
         S = tl.load(tile, mask=tile_ok, other=0.0)
-        if EARLY_STATE:  # the tile streamed in while the kernel before finished (`gated_delta_decode`: why it may)
+        # the conv of the program's channels — its key head's q and k, its value columns — from their windows (the
+        # q / k conv is made by every program that reads the key head; the norm launch moves the windows on)
+        q_channels = key_head * K_DIM + ks
+        k_channels = (K_HEADS + key_head) * K_DIM + ks
+        v_channels = 2 * K_HEADS * K_DIM + head * V_DIM + vs
+        window = conv_ptr + slot * stride_c_slot
+        q_past, q_taps = _conv_window(window + q_channels * stride_c_c, conv_w_ptr + q_channels * stride_w_c,
+                                      stride_c_k, stride_w_k, k_ok, CONV_K)
+        k_past, k_taps = _conv_window(window + k_channels * stride_c_c, conv_w_ptr + k_channels * stride_w_c,
+                                      stride_c_k, stride_w_k, k_ok, CONV_K)
+        v_past, v_taps = _conv_window(window + v_channels * stride_c_c, conv_w_ptr + v_channels * stride_w_c,
+                                      stride_c_k, stride_w_k, v_ok, CONV_K)
+        if EARLY_STATE:  # the tile and windows streamed in while the kernel before finished (`gated_delta_decode`)
             wait_for_inputs(PDL)
         dtype = o_ptr.dtype.element_ty
         for t in tl.static_range(T):  # unrolled: a runtime loop carrying S spills more registers
             row = sequence * T + t
-            mixed = mixed_ptr + row * stride_mixed
-            q = tl.load(mixed + key_head * K_DIM + ks, mask=k_ok, other=0.0).to(tl.float32)
-            k = tl.load(mixed + (K_HEADS + key_head) * K_DIM + ks, mask=k_ok, other=0.0).to(tl.float32)
-            v = tl.load(mixed + 2 * K_HEADS * K_DIM + head * V_DIM + vs, mask=v_ok, other=0.0).to(tl.float32)
+            inputs = x_ptr + row * stride_x
+            # the conv outputs rounded to the activation dtype, as the reference path stores them
+            q, q_past = _conv_token(tl.load(inputs + q_channels, mask=k_ok, other=0.0), q_past, q_taps, CONV_K)
+            k, k_past = _conv_token(tl.load(inputs + k_channels, mask=k_ok, other=0.0), k_past, k_taps, CONV_K)
+            v, v_past = _conv_token(tl.load(inputs + v_channels, mask=v_ok, other=0.0), v_past, v_taps, CONV_K)
+            q = q.to(dtype).to(tl.float32)
+            k = k.to(dtype).to(tl.float32)
+            v = v.to(dtype).to(tl.float32)
             q = q * tl.rsqrt(tl.sum(q * q, 0) + L2_EPS) * q_scale
             k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
 
@@ -162,16 +163,40 @@ if triton is not None:
         tl.store(tile, S, mask=tile_ok)
 
     @triton.jit
-    def _gated_norm_kernel(o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, stride_o, stride_z, stride_out, eps,
-                           record_count, V_HEADS: tl.constexpr, V_DIM: tl.constexpr, HEADS: tl.constexpr,
-                           BLOCK_V: tl.constexpr, ROUND_NORM_PRODUCT: tl.constexpr, QUANTIZE: tl.constexpr,
-                           PDL: tl.constexpr):
+    def _gated_norm_kernel(o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, x_ptr, conv_ptr, slot_ptr,
+                           snapshot_ptr, stride_o, stride_z, stride_out, stride_x, stride_c_slot, stride_c_c,
+                           stride_c_k, eps, record_count, C, V_HEADS: tl.constexpr, V_DIM: tl.constexpr,
+                           HEADS: tl.constexpr, BLOCK_V: tl.constexpr, ROUND_NORM_PRODUCT: tl.constexpr,
+                           QUANTIZE: tl.constexpr, CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, T: tl.constexpr,
+                           SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
         vs = tl.arange(0, BLOCK_V)
         norm_weight = tl.load(norm_weight_ptr + vs, mask=vs < V_DIM, other=0.0)  # no kernel writes it: read early
+        # the conv windows move on here, once every delta-rule program has read them: the program of a sequence's
+        # last row shifts channels [program_id(1) · BLOCK_C, …) of its window past the sequence's T new inputs
+        row = tl.program_id(0).to(tl.int64)
+        sequence = row // T
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        window_ok = cols < tl.where(row % T == T - 1, C, 0)  # the other rows' programs skip this part
+        window = conv_ptr + tl.load(slot_ptr + sequence).to(tl.int64) * stride_c_slot + cols * stride_c_c
+        past = ()
+        for j in tl.static_range(CONV_K - 1):  # read before the wait (`gated_delta_decode`: why it may)
+            past = past + (tl.load(window + j * stride_c_k, mask=window_ok, other=0.0),)  # noqa: RUF005
+        if T == 1:  # one new input: it too streams in while the delta rule runs
+            new_input = tl.load(x_ptr + row * stride_x + cols, mask=window_ok, other=0.0)
         wait_for_inputs(PDL)
+        for t in tl.static_range(T):
+            if T > 1:
+                new_input = tl.load(x_ptr + (sequence * T + t) * stride_x + cols, mask=window_ok, other=0.0)
+            past = past[1:] + (new_input,)  # noqa: RUF005 (shift left: the new input is the newest column)
+            if SNAPSHOTS:
+                snapshot = tl.load(snapshot_ptr + sequence * T + t).to(tl.int64)
+                for j in tl.static_range(CONV_K - 1):
+                    tl.store(conv_ptr + snapshot * stride_c_slot + cols * stride_c_c + j * stride_c_k, past[j],
+                             mask=window_ok)
+        for j in tl.static_range(CONV_K - 1):
+            tl.store(window + j * stride_c_k, past[j], mask=window_ok)
         # HEADS value heads of one row: rms_norm_gated per head, and with QUANTIZE (V_DIM a multiple of 32, so a
         # head is whole int8 blocks) the output's records
-        row = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
         ok = (heads < V_HEADS)[:, None] & (vs < V_DIM)[None, :]
         lanes = heads[:, None] * V_DIM + vs[None, :]
@@ -216,109 +241,74 @@ def _check_snapshots(name: str, snapshots: Tensor | None, sequences: int, tokens
                          f"got {snapshots.dtype} {list(snapshots.shape)} on {snapshots.device}")
 
 
-def conv1d_update(x: Tensor, weight: Tensor, conv_state: Tensor, slots: Tensor, tokens: int = 1,
-                  snapshot_slots: Tensor | None = None) -> Tensor:
-    """`silu(depthwise causal conv)` of `tokens` new tokens per sequence, each continuing its own pooled window.
+def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor], conv_weight: Tensor,
+                       conv_state: Tensor, a_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, state: Tensor,
+                       slots: Tensor, k_heads: int, k_dim: int, v_heads: int, v_dim: int, eps: float, tokens: int = 1,
+                       snapshot_slots: Tensor | None = None, quantize: bool = False) -> Tensor | Int8Activations:
+    """`tokens` Gated DeltaNet tokens per sequence from the input projections: the causal conv on the pooled windows,
+    gates, delta-rule steps on the pooled state, gated norm. Rows b·T … b·T + T − 1 are sequence b's tokens in
+    order; each row is one step below.
 
-    Math: rows b·T … b·T + T − 1 of x are sequence b's tokens in order; with its window `u = conv_state[slots[b]]`
-    (`[C, K-1]`, oldest input first) extended by each token in turn,
-    `out[row, c] = silu(Σ_{j<K-1} w[c, j] · u[c, j] + w[c, K-1] · x[row, c])` in fp32, rounded once to x's dtype;
-    equals `causal_conv1d(x[b·T : b·T + T], weight, u)` (which computes in the weight's dtype: equal in fp32,
-    within an ulp of the activation dtype otherwise).
-    Effect: `conv_state[slots[b]]` becomes the window after the last token (exact copies, no rounding); with
-    `snapshot_slots` `[B, T]`, the window after token t is also written to conv_state[snapshot_slots[b, t]].
-
-    Shapes: x `[B·T, C]` fp32/bf16/fp16 with unit column stride (a row-slice view is fine); weight `[C, K]`, K ≥ 2,
-    any float dtype; conv_state `[S, C, K-1]` in x's dtype (any strides); slots `[B]` int32/int64 on x's
-    device; slots and snapshot slots all distinct, in [0, S) (not checked: no host sync). Returns `[B·T, C]`.
-
-    A program reads its window and weights once and moves the window through registers, token by token. Under PDL,
-    for up to EARLY_STATE_SEQUENCES sequences it reads `slots`, the windows and the weights before it waits for the
-    kernel before it (`kernels.dependent_launch`'s rule): the pool is written only by this function's launches
-    (never two in a row: the runner runs the delta rule after each) and by kernels without PDL, so a caller must not
-    write the windows or `slots` with a PDL kernel launched right before this function (the runner's is a GEMV).
-    """
-    _require_triton("conv1d_update")
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"conv1d_update: x must be [B, C] and weight [C, K], got {list(x.shape)}, "
-                         f"{list(weight.shape)}")
-    rows, C = x.shape
-    if tokens < 1 or rows % tokens:
-        raise ValueError(f"conv1d_update: {rows} rows are not whole sequences of {tokens} tokens")
-    B = rows // tokens
-    K = weight.shape[1]
-    _check_rows("conv1d_update", "x", x, rows, C)
-    if weight.shape[0] != C or K < 2:
-        raise ValueError(f"conv1d_update: weight must be [{C}, K ≥ 2], got {list(weight.shape)}")
-    if conv_state.dim() != 3 or conv_state.shape[1:] != (C, K - 1) or conv_state.dtype != x.dtype:
-        raise ValueError(f"conv1d_update: conv_state must be [S, {C}, {K - 1}] {x.dtype}, got "
-                         f"{list(conv_state.shape)} {conv_state.dtype}")
-    if weight.device != x.device or conv_state.device != x.device:
-        raise ValueError(f"conv1d_update: x, weight and conv_state must share a device, got {x.device}, "
-                         f"{weight.device}, {conv_state.device}")
-    _check_slots("conv1d_update", slots, B, x.device)
-    _check_snapshots("conv1d_update", snapshot_slots, B, tokens, x.device)
-    out = torch.empty((rows, C), dtype=x.dtype, device=x.device)
-    if B == 0:
-        return out
-    _conv1d_update_kernel[(B, triton.cdiv(C, CONV_BLOCK_C))](
-        x, weight, conv_state, slots, snapshot_slots if snapshot_slots is not None else slots, out, C,
-        x.stride(0), weight.stride(0), weight.stride(1), conv_state.stride(0), conv_state.stride(1),
-        conv_state.stride(2), out.stride(0), K=K, BLOCK_C=CONV_BLOCK_C, T=tokens, SNAPSHOTS=snapshot_slots is not None,
-        EARLY=B <= EARLY_STATE_SEQUENCES, **launch_options(x.device))
-    return out
-
-
-def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor], a_log: Tensor, dt_bias: Tensor,
-                       norm_weight: Tensor, state: Tensor, slots: Tensor, k_heads: int, k_dim: int, v_heads: int,
-                       v_dim: int, eps: float, tokens: int = 1, snapshot_slots: Tensor | None = None,
-                       quantize: bool = False) -> Tensor | Int8Activations:
-    """`tokens` Gated DeltaNet tokens per sequence after the conv: gates, delta-rule steps on the pooled state,
-    gated norm. Rows b·T … b·T + T − 1 are sequence b's tokens in order; each row is one step below.
-
-    Math, per row b and value head j (key head i = j // (v_heads // k_heads)), as the reference path of
-    `Qwen35Model.gated_deltanet` for T = 1, everything fp32 unless said:
-        q = l2_normalize(q_i) · k_dim^-0.5,  k = l2_normalize(k_i)        (eps 1e-6 on the sum of squares)
+    Math, per row b (window u = conv_state[slots[b]] `[C, K-1]`, oldest input first, extended by each token in turn)
+    and value head j (key head i = j // (v_heads // k_heads)), as the reference path of `Qwen35Model.gated_deltanet`
+    for T = 1, everything fp32 unless said:
+        mixed[c] = silu(Σ_{m<K-1} w[c, m] · u[c, m] + w[c, K-1] · x[b, c]) rounded to x's dtype   (`causal_conv1d`)
+        q = l2_normalize(q_i) · k_dim^-0.5,  k = l2_normalize(k_i)        (q | k | v = mixed; eps 1e-6 on Σ squares)
         beta = sigmoid(b_j) rounded to a_b's dtype;  g = −exp(a_log_j) · softplus(a_j + dt_bias_j)
         S = S · exp(g);  S += k ⊗ ((v_j − kᵀS) · beta);  o = qᵀS             (S = state[slots[b], j])
-        out_j = rms_norm_gated(o rounded to mixed's dtype, z_j, norm_weight, eps)   (its casts included)
-    Effect: `state[slots[b], j]` holds S after the sequence's last token (fp32); with `snapshot_slots` `[B, T]`,
-    S after token t is also written to state[snapshot_slots[b, t], j]; nothing else in the pool is touched.
+        out_j = rms_norm_gated(o rounded to x's dtype, z_j, norm_weight, eps)   (its casts included)
+    Effect: `conv_state[slots[b]]` holds the window after the sequence's last token (exact copies of inputs) and
+    `state[slots[b], j]` S after it (fp32); with `snapshot_slots` `[B, T]`, the window and S after token t are also
+    written to conv_state[snapshot_slots[b, t]] and state[snapshot_slots[b, t], j]; nothing else in the pools is
+    touched.
 
-    Shapes: mixed `[B·T, 2·k_heads·k_dim + v_heads·v_dim]` (q | k | v, the conv output) fp32/bf16/fp16; z
+    Shapes: x `[B·T, 2·k_heads·k_dim + v_heads·v_dim]` (q | k | v before the conv, C channels) fp32/bf16/fp16; z
     `[B·T, v_heads·v_dim]`; a_b either the projection's output `[B·T, 2·v_heads]` (a | b) or, to compute it in
     the delta-rule launch, the pair (x `[B·T, H]`, W `[2·v_heads, H]`, one dtype, H ≤ AB_IN_KERNEL_MAX_K): a_b =
     x · Wᵀ in fp32 with the fixed-order sums of `dense_linear_gemv(x, W, pairwise=True)` (the same bits), rounded
-    to mixed's dtype — each with unit column stride, row views fine; a_log, dt_bias `[v_heads]`; norm_weight
-    `[v_dim]`; state `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots `[B]` int32/int64; slots and
-    snapshot slots all distinct, in [0, S) (not checked: no host sync); v_heads a multiple of k_heads. All on one
-    device. Returns out `[B·T, v_heads·v_dim]` in mixed's dtype; with `quantize`, as `Int8Activations` (the
-    output projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the
-    quantizer).
+    to x's dtype — each with unit column stride, row views fine; conv_weight `[C, K]`, K ≥ 2, any float dtype;
+    conv_state `[S, C, K-1]` in x's dtype (any strides); a_log, dt_bias `[v_heads]`; norm_weight `[v_dim]`; state
+    `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots `[B]` int32/int64; slots and snapshot slots all
+    distinct, in [0, S) of both pools (not checked: no host sync); v_heads a multiple of k_heads. All on one
+    device. Returns out `[B·T, v_heads·v_dim]` in x's dtype; with `quantize`, as `Int8Activations` (the output
+    projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the quantizer).
 
-    Two launches: the delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
-    on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — writing o; then the gated
-    norm over whole heads (it needs all of a head's o), which also writes the int8 records.
+    Two launches. The delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
+    on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — makes the conv of the
+    channels it reads from their windows (a key head's q / k conv in each program that reads it) and writes o; it
+    does not write the windows, since other programs still read them. The gated norm over whole heads (it needs
+    all of a head's o) writes the int8 records and moves the windows on, once every delta-rule program is done.
+    The conv kernel this replaced cost a launch a layer (about 2 µs of a 27B GDN layer's critical path on the
+    H200; docs/performance.md, twenty-seventh session).
 
-    Under PDL the delta-rule launch reads `slots` (and, for up to EARLY_STATE_SEQUENCES sequences, its state tiles)
-    before it waits for the kernel before it (`kernels.dependent_launch`'s rule): the pool is written only by this
-    function's delta-rule launches (each followed here by its norm launch, so never right before another) and by
-    kernels without PDL (prefill, state copies); `slots` comes from the host or from earlier kernels. So a caller
-    must not write the state tiles or `slots` with a PDL kernel launched right before this function (none does: the
-    runner's is `conv1d_update`).
+    Under PDL both launches read before they wait for the kernel before them (`kernels.dependent_launch`'s rule):
+    the delta rule `slots` and, for up to EARLY_STATE_SEQUENCES sequences, its state tiles, windows and conv
+    weights; the norm the windows and, at T = 1, the new inputs x. The pools are written only by this function's
+    launches (the state by the delta rule, which the norm always follows; the windows by the norm, which a GEMV
+    always follows in the runner, never this function's delta rule) and by kernels without PDL (prefill, state
+    copies); x comes from the kernel before the delta rule, two launches before the norm; `slots` comes from the
+    host or from earlier kernels. So a caller must not write x, the pools or `slots` with a PDL kernel launched
+    right before this function (the runner's is the input projections' GEMV, which writes x).
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"
-    if mixed.dim() != 2:
-        raise ValueError(f"{name}: mixed must be [B, channels], got {list(mixed.shape)}")
-    rows = mixed.shape[0]
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be [B, channels], got {list(x.shape)}")
+    rows = x.shape[0]
     if tokens < 1 or rows % tokens:
         raise ValueError(f"{name}: {rows} rows are not whole sequences of {tokens} tokens")
     B = rows // tokens
     if k_heads < 1 or v_heads % k_heads != 0:
         raise ValueError(f"{name}: v_heads ({v_heads}) must be a multiple of k_heads ({k_heads})")
-    _check_rows(name, "mixed", mixed, rows, 2 * k_heads * k_dim + v_heads * v_dim)
+    C = 2 * k_heads * k_dim + v_heads * v_dim
+    _check_rows(name, "x", x, rows, C)
     _check_rows(name, "z", z, rows, v_heads * v_dim)
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != C or conv_weight.shape[1] < 2:
+        raise ValueError(f"{name}: conv_weight must be [{C}, K ≥ 2], got {list(conv_weight.shape)}")
+    K = conv_weight.shape[1]
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (C, K - 1) or conv_state.dtype != x.dtype:
+        raise ValueError(f"{name}: conv_state must be [S, {C}, {K - 1}] {x.dtype}, got {list(conv_state.shape)} "
+                         f"{conv_state.dtype}")
     ab_dot = isinstance(a_b, tuple)
     if ab_dot:
         ab_x, ab_w = a_b
@@ -328,7 +318,7 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
         if hidden > AB_IN_KERNEL_MAX_K or ab_x.dtype != ab_w.dtype:
             raise ValueError(f"{name}: the a/b product in the kernel takes one dtype and K ≤ {AB_IN_KERNEL_MAX_K}, "
                              f"got {ab_x.dtype} x, {ab_w.dtype} W, K = {hidden}")
-        a_b = mixed  # its own pointer is unused
+        a_b = x  # its own pointer is unused
     else:
         _check_rows(name, "a_b", a_b, rows, 2 * v_heads)
         hidden, ab_x, ab_w = 0, a_b, a_b  # the product's pointers are unused
@@ -339,38 +329,43 @@ def gated_delta_decode(mixed: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Ten
     if state.dim() != 4 or state.shape[1:] != (v_heads, k_dim, v_dim) or state.dtype != torch.float32:
         raise ValueError(f"{name}: state must be [S, {v_heads}, {k_dim}, {v_dim}] float32, got {list(state.shape)} "
                          f"{state.dtype}")
-    tensors = (z, ab_x, ab_w, a_log, dt_bias, norm_weight, state)
-    if any(t.device != mixed.device for t in tensors):
-        raise ValueError(f"{name}: all tensors must be on {mixed.device}, got {[str(t.device) for t in tensors]}")
-    _check_slots(name, slots, B, mixed.device)
-    _check_snapshots(name, snapshot_slots, B, tokens, mixed.device)
+    tensors = (z, conv_weight, conv_state, ab_x, ab_w, a_log, dt_bias, norm_weight, state)
+    if any(t.device != x.device for t in tensors):
+        raise ValueError(f"{name}: all tensors must be on {x.device}, got {[str(t.device) for t in tensors]}")
+    _check_slots(name, slots, B, x.device)
+    _check_snapshots(name, snapshot_slots, B, tokens, x.device)
     width = v_heads * v_dim
-    out = torch.empty((rows, width), dtype=mixed.dtype, device=mixed.device)
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if B == 0:
         return out
+    snapshots = snapshot_slots if snapshot_slots is not None else slots
     block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
     delta_block_v = min(block_v, DELTA_BLOCK_V)
-    o = torch.empty((rows, width), dtype=mixed.dtype, device=mixed.device)
+    o = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     _gated_delta_decode_kernel[(B, v_heads, triton.cdiv(v_dim, delta_block_v))](
-        mixed, a_b, ab_x, ab_w, a_log, dt_bias, state, slots,
-        snapshot_slots if snapshot_slots is not None else slots, o, mixed.stride(0), a_b.stride(0), ab_x.stride(0),
-        ab_w.stride(0), o.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
-        k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim, BLOCK_K=block_k,
-        BLOCK_V=delta_block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
+        x, conv_weight, conv_state, a_b, ab_x, ab_w, a_log, dt_bias, state, slots, snapshots, o, x.stride(0),
+        conv_weight.stride(0), conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1),
+        conv_state.stride(2), a_b.stride(0), ab_x.stride(0), ab_w.stride(0), o.stride(0), state.stride(0),
+        state.stride(1), state.stride(2), state.stride(3), k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim,
+        V_HEADS=v_heads, V_DIM=v_dim, CONV_K=K, BLOCK_K=block_k, BLOCK_V=delta_block_v, L2_EPS=L2_EPS,
+        SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
         AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, EARLY_STATE=B <= EARLY_STATE_SEQUENCES,
         num_warps=DELTA_WARPS if block_k * delta_block_v >= 128 * 32 else 2,
-        **launch_options(mixed.device))
+        **launch_options(x.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
-    round_norm_product = torch.promote_types(norm_weight.dtype, mixed.dtype) == mixed.dtype
+    round_norm_product = torch.promote_types(norm_weight.dtype, x.dtype) == x.dtype
     records_here = quantize and v_dim % 32 == 0 and block_v == v_dim
-    records = empty_records(rows, width, mixed.device) if records_here else out
+    records = empty_records(rows, width, x.device) if records_here else out
     record_count = records.shape[1] if records_here else 0
     heads = min(NORM_HEADS, triton.next_power_of_2(v_heads))
     lanes = record_count * 32 if records_here else width  # padding blocks past the heads get zero records
-    _gated_norm_kernel[(rows, triton.cdiv(lanes, heads * v_dim))](
-        o, z, norm_weight, out, records, o.stride(0), z.stride(0), out.stride(0), eps, record_count,
+    programs = triton.cdiv(lanes, heads * v_dim)
+    _gated_norm_kernel[(rows, programs)](
+        o, z, norm_weight, out, records, x, conv_state, slots, snapshots, o.stride(0), z.stride(0), out.stride(0),
+        x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), eps, record_count, C,
         V_HEADS=v_heads, V_DIM=v_dim, HEADS=heads, BLOCK_V=block_v, ROUND_NORM_PRODUCT=round_norm_product,
-        QUANTIZE=records_here, num_warps=4, **launch_options(mixed.device))
+        QUANTIZE=records_here, CONV_K=K, BLOCK_C=triton.next_power_of_2(triton.cdiv(C, programs)), T=tokens,
+        SNAPSHOTS=snapshot_slots is not None, num_warps=4, **launch_options(x.device))
     if not quantize:
         return out
     return Int8Activations(out, records) if records_here else quantize_activations(out)

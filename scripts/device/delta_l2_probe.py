@@ -1,5 +1,5 @@
-"""Is the batch-8 delta rule bound by reading its states from DRAM? Times `gated_delta_decode` (delta rule + gated
-norm, the 27B GDN shapes) at B sequences with the states cold (L2 flushed by a 512 MiB reduction
+"""Is the batch-8 delta rule bound by reading its states from DRAM? Times `gated_delta_decode` (conv + delta rule,
+gated norm, the 27B GDN shapes) at B sequences with the states cold (L2 flushed by a 512 MiB reduction
 first), warm (the same call just before, so the states it wrote sit in L2 as far as they fit) and prefetched
 (flushed, then `prefetch.global.L2` for every line of the B states from `kernels.l2_prefetch`). Each setup ends
 with a 100 µs spin, so the lines have arrived and the GPU is busy while the host enqueues; the call is a captured

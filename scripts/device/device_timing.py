@@ -25,8 +25,9 @@ SPIN_CYCLES = 200_000  # about 100 µs at the H200's clock
 
 
 class DeltaRule27B:
-    """`gated_delta_decode` (delta rule + gated norm) at qwen3.8-27b's Gated DeltaNet shapes, its per-layer tensors
-    seeded: a pool of POOL_SLOTS fp32 states, a_log, dt_bias, the norm weight."""
+    """`gated_delta_decode` (conv + delta rule, gated norm) at qwen3.8-27b's Gated DeltaNet shapes, its per-layer
+    tensors seeded: pools of POOL_SLOTS conv windows and fp32 states, the conv weight, a_log, dt_bias, the norm
+    weight."""
 
     K_HEADS, K_DIM, V_HEADS, V_DIM = 16, 128, 48, 128
     POOL_SLOTS = 17  # B sequences take slots 2, 4, … (mod 17)
@@ -34,12 +35,15 @@ class DeltaRule27B:
     def __init__(self):
         torch.manual_seed(0)
         self.state = torch.randn(self.POOL_SLOTS, self.V_HEADS, self.K_DIM, self.V_DIM, device="cuda") * 0.01
+        channels = 2 * self.K_HEADS * self.K_DIM + self.V_HEADS * self.V_DIM
+        self.conv_weight = torch.randn(channels, 4, device="cuda", dtype=torch.bfloat16) * 0.5
+        self.conv_state = torch.randn(self.POOL_SLOTS, channels, 3, device="cuda", dtype=torch.bfloat16)
         self.a_log = torch.randn(self.V_HEADS, device="cuda")
         self.dt_bias = torch.randn(self.V_HEADS, device="cuda")
         self.norm_weight = torch.randn(self.V_DIM, device="cuda", dtype=torch.bfloat16)
 
     def inputs(self, batch: int) -> tuple[torch.Tensor, ...]:
-        """One step's inputs for `batch` sequences: the conv output (q | k | v), z, a | b, and the pool slots."""
+        """One step's inputs for `batch` sequences: the conv input (q | k | v), z, a | b, and the pool slots."""
         return (torch.randn(batch, 2 * self.K_HEADS * self.K_DIM + self.V_HEADS * self.V_DIM, device="cuda",
                             dtype=torch.bfloat16),
                 torch.randn(batch, self.V_HEADS * self.V_DIM, device="cuda", dtype=torch.bfloat16),
@@ -47,11 +51,12 @@ class DeltaRule27B:
                 torch.arange(1, batch + 1, device="cuda", dtype=torch.int32) * 2 % self.POOL_SLOTS)
 
     def __call__(self, inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None = None,
-                 quantize: bool = False):
-        mixed, z, a_b, slots = inputs
-        return gated_delta_decode(mixed, z, a_b, self.a_log, self.dt_bias, self.norm_weight,
-                                  self.state if state is None else state, slots, self.K_HEADS, self.K_DIM,
-                                  self.V_HEADS, self.V_DIM, 1e-6, quantize=quantize)
+                 conv_state: torch.Tensor | None = None, quantize: bool = False):
+        """One step on the given pools (by default the seeded ones, which it moves on)."""
+        x, z, a_b, slots = inputs
+        return gated_delta_decode(x, z, a_b, self.conv_weight, self.conv_state if conv_state is None else conv_state,
+                                  self.a_log, self.dt_bias, self.norm_weight, self.state if state is None else state,
+                                  slots, self.K_HEADS, self.K_DIM, self.V_HEADS, self.V_DIM, 1e-6, quantize=quantize)
 
 
 def l2_flush():

@@ -11,7 +11,7 @@ from device_timing import read_bandwidth
 
 from ninfer.kernels import dense_linear, fused
 from ninfer.kernels.activation_quant import quantize_activations
-from ninfer.kernels.gdn_decode import conv1d_update, gated_delta_decode
+from ninfer.kernels.gdn_decode import gated_delta_decode
 
 bandwidth = read_bandwidth()
 bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -45,7 +45,7 @@ for name, hidden, v_heads, dense_rows in (("27b", 5120, 48, 96), ("35b", 2048, 3
             timed(f"{name} add_rms_norm+records T={tokens} {label}", 0, fused.add_rms_norm, x, h, norm_weight, 1e-6,
                   quantize=True)
         timed(f"{name} quantize_activations T={tokens}", 0, quantize_activations, x)
-    # GDN decode at batch 1 and 8: conv update and the delta-rule step on a pooled state
+    # GDN decode at batch 1 and 8: the conv and the delta-rule step on pooled windows and states, the gated norm
     k_heads, k_dim, v_dim = 16, 128, 128
     channels = 2 * k_heads * k_dim + v_heads * v_dim
     for batch in (1, 8):
@@ -58,6 +58,6 @@ for name, hidden, v_heads, dense_rows in (("27b", 5120, 48, 96), ("35b", 2048, 3
         a_log, dt_bias = torch.randn(v_heads, device="cuda"), torch.randn(v_heads, device="cuda")
         conv_weight = torch.randn(channels, 4, **bf16)
         gdn_norm = torch.randn(v_dim, **bf16)
-        timed(f"{name} conv1d_update B={batch}", 0, conv1d_update, mixed, conv_weight, conv_state, slots)
         timed(f"{name} gated_delta_decode B={batch}", 2 * batch * v_heads * k_dim * v_dim * 4, gated_delta_decode,
-              mixed, z, a_b, a_log, dt_bias, gdn_norm, state, slots, k_heads, k_dim, v_heads, v_dim, 1e-6)
+              mixed, z, a_b, conv_weight, conv_state, a_log, dt_bias, gdn_norm, state, slots, k_heads, k_dim, v_heads,
+              v_dim, 1e-6)
