@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from ninfer.kernels import gdn_decode
 from ninfer.kernels.activation_quant import quantize_activations
 from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
@@ -325,3 +326,35 @@ def test_a_several_token_call_has_the_bits_of_one_token_calls(d, dtype):
                                 *vectors, state, slots, *dims) for t in range(tokens)]
     assert torch.equal(together, torch.stack(alone, dim=1).flatten(0, 1))
     assert torch.equal(together_conv, conv) and torch.equal(together_state, state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] if os.environ.get("TRITON_INTERPRET") == "1" else
+                         [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_conv_in_the_delta_rule_launch_has_the_bits_of_its_own_launch(monkeypatch, dtype, tokens):
+    """Steps of up to FUSED_CONV_SEQUENCES sequences make the conv in the delta-rule launch, larger ones in a launch
+    of its own: a token's output, windows, states and snapshots must not depend on which."""
+    d, device = Dims(k_heads=2, k_dim=64, v_heads=4, v_dim=64), _device()
+    generator = torch.Generator().manual_seed(tokens)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device)
+
+    batch, pool = 2, 12
+    rows = batch * tokens
+    x, z = randn(rows, d.channels).to(dtype), randn(rows, d.v_heads * d.v_dim).to(dtype)
+    a_b, weight = randn(rows, 2 * d.v_heads).to(dtype), randn(d.channels, d.conv_kernel, scale=0.5).to(dtype)
+    vectors = (randn(d.v_heads, scale=0.5), randn(d.v_heads), (1 + randn(d.v_dim, scale=0.1)).to(dtype))
+    conv, state = randn(pool, d.channels, d.conv_kernel - 1).to(dtype), randn(pool, d.v_heads, d.k_dim, d.v_dim)
+    slots = torch.tensor([4, 1], device=device)
+    snapshots = torch.arange(6, 6 + rows, device=device).view(batch, tokens) if tokens > 1 else None
+    results = []
+    for fused_up_to in (batch, 0):
+        monkeypatch.setattr(gdn_decode, "FUSED_CONV_SEQUENCES", fused_up_to)
+        pools = (conv.clone(), state.clone())
+        out = gated_delta_decode(x, z, a_b, weight, pools[0], *vectors, pools[1], slots, d.k_heads, d.k_dim,
+                                 d.v_heads, d.v_dim, EPS, tokens=tokens, snapshot_slots=snapshots, quantize=True)
+        results.append((out.source, out.blocks, *pools))
+    for fused, apart in zip(*results, strict=True):
+        assert torch.equal(fused, apart)
+    assert not torch.equal(results[0][2], conv)  # the windows moved on

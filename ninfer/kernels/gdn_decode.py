@@ -2,7 +2,7 @@
 sequence's conv window and recurrent state in a pool slot.
 
 `gated_delta_decode`, the fused few-token form of the torch reference path of `Qwen35Model.gated_deltanet` from the
-input projections on, in two Triton launches:
+input projections on, in two Triton launches (three above FUSED_CONV_SEQUENCES sequences, the conv apart):
   * the delta rule: `causal_conv1d` of each program's channels from its pooled window, q/k L2 norm, the gates and T
     steps of the gated delta rule on the sequence's recurrent state (kept in registers between tokens, written back
     at the end; programs own column tiles of a head's state);
@@ -34,6 +34,7 @@ if triton is not None:
     from ninfer.kernels.activation_quant import store_tile_records
     from ninfer.kernels.fixed_order import pairwise_row_sum
 
+CONV_BLOCK_C = 256  # channels per program of the conv launch
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
 # state columns per delta-rule program: a [128, 32] fp32 tile, so a 27B step (48 value heads) runs 192 programs
 # rather than 48 holding a whole [128, 128] head each (6.6 µs, 23 % of the read bandwidth on the H200)
@@ -49,6 +50,11 @@ AB_IN_KERNEL_MAX_K = 8192
 # the H200 at the 27B shapes, −17 to −29 µs a batch-1 step, about +64 µs a batch-8 step, where the early reads of
 # 1,536 programs likely slow the conv beside them (docs/performance.md, twenty-fifth session)
 EARLY_STATE_SEQUENCES = 1
+# steps of up to this many sequences make the conv in the delta-rule launch (one launch fewer); larger ones in a
+# launch of its own. Measured on the H200 at the 27B shapes: at one sequence −74 to −89 µs a step, at 8 sequences
+# +90 to +98 µs, where the 1,536 delta-rule programs each making its conv cost more than the launch
+# (docs/performance.md, twenty-seventh session). Either way a token gets the same bits.
+FUSED_CONV_SEQUENCES = 1
 
 
 if triton is not None:
@@ -78,6 +84,29 @@ if triton is not None:
         return tl.fma(acc, tl.sigmoid(acc), 0.0), past[1:] + (x,)  # noqa: RUF005
 
     @triton.jit
+    def _conv_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, stride_x, stride_w_c,
+                     stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out, K: tl.constexpr,
+                     BLOCK_C: tl.constexpr, T: tl.constexpr, SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
+        """The conv of steps above FUSED_CONV_SEQUENCES: BLOCK_C channels of one sequence's T tokens, the window
+        read once and moved through registers, written back (and to the snapshots) as the norm launch does it."""
+        wait_for_inputs(PDL)
+        sequence = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = cols < C
+        window = state_ptr + tl.load(slot_ptr + sequence).to(tl.int64) * stride_s_slot + cols * stride_s_c
+        past, taps = _conv_window(window, weight_ptr + cols * stride_w_c, stride_s_k, stride_w_k, ok, K)
+        for t in tl.static_range(T):
+            row = sequence * T + t
+            out, past = _conv_token(tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0), past, taps, K)
+            tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+            if SNAPSHOTS:
+                snapshot = state_ptr + tl.load(snapshot_ptr + row).to(tl.int64) * stride_s_slot + cols * stride_s_c
+                for j in tl.static_range(K - 1):
+                    tl.store(snapshot + j * stride_s_k, past[j], mask=ok)
+        for j in tl.static_range(K - 1):
+            tl.store(window + j * stride_s_k, past[j], mask=ok)
+
+    @triton.jit
     def _gated_delta_decode_kernel(x_ptr, conv_w_ptr, conv_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr,
                                    state_ptr, slot_ptr, snapshot_ptr, o_ptr, stride_x, stride_w_c, stride_w_k,
                                    stride_c_slot, stride_c_c, stride_c_k, stride_a_b, stride_ab_x, stride_ab_w,
@@ -85,8 +114,8 @@ if triton is not None:
                                    K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
                                    V_DIM: tl.constexpr, CONV_K: tl.constexpr, BLOCK_K: tl.constexpr,
                                    BLOCK_V: tl.constexpr, L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr,
-                                   T: tl.constexpr, AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr,
-                                   EARLY_STATE: tl.constexpr, PDL: tl.constexpr):
+                                   T: tl.constexpr, CONV: tl.constexpr, AB_DOT: tl.constexpr,
+                                   AB_BLOCK: tl.constexpr, EARLY_STATE: tl.constexpr, PDL: tl.constexpr):
         if not EARLY_STATE:
             wait_for_inputs(PDL)
         # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
@@ -105,28 +134,33 @@ if triton is not None:
         tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
         S = tl.load(tile, mask=tile_ok, other=0.0)
-        # the conv of the program's channels — its key head's q and k, its value columns — from their windows (the
-        # q / k conv is made by every program that reads the key head; the norm launch moves the windows on)
+        # with CONV the conv of the program's channels — its key head's q and k, its value columns — from their
+        # windows (the q / k conv is made by every program that reads the key head; the norm launch moves the windows
+        # on); else x is the conv's output
         q_channels = key_head * K_DIM + ks
         k_channels = (K_HEADS + key_head) * K_DIM + ks
         v_channels = 2 * K_HEADS * K_DIM + head * V_DIM + vs
-        window = conv_ptr + slot * stride_c_slot
-        q_past, q_taps = _conv_window(window + q_channels * stride_c_c, conv_w_ptr + q_channels * stride_w_c,
-                                      stride_c_k, stride_w_k, k_ok, CONV_K)
-        k_past, k_taps = _conv_window(window + k_channels * stride_c_c, conv_w_ptr + k_channels * stride_w_c,
-                                      stride_c_k, stride_w_k, k_ok, CONV_K)
-        v_past, v_taps = _conv_window(window + v_channels * stride_c_c, conv_w_ptr + v_channels * stride_w_c,
-                                      stride_c_k, stride_w_k, v_ok, CONV_K)
+        if CONV:
+            window = conv_ptr + slot * stride_c_slot
+            q_past, q_taps = _conv_window(window + q_channels * stride_c_c, conv_w_ptr + q_channels * stride_w_c,
+                                          stride_c_k, stride_w_k, k_ok, CONV_K)
+            k_past, k_taps = _conv_window(window + k_channels * stride_c_c, conv_w_ptr + k_channels * stride_w_c,
+                                          stride_c_k, stride_w_k, k_ok, CONV_K)
+            v_past, v_taps = _conv_window(window + v_channels * stride_c_c, conv_w_ptr + v_channels * stride_w_c,
+                                          stride_c_k, stride_w_k, v_ok, CONV_K)
         if EARLY_STATE:  # the tile and windows streamed in while the kernel before finished (`gated_delta_decode`)
             wait_for_inputs(PDL)
         dtype = o_ptr.dtype.element_ty
         for t in tl.static_range(T):  # unrolled: a runtime loop carrying S spills more registers
             row = sequence * T + t
             inputs = x_ptr + row * stride_x
-            # the conv outputs rounded to the activation dtype, as the reference path stores them
-            q, q_past = _conv_token(tl.load(inputs + q_channels, mask=k_ok, other=0.0), q_past, q_taps, CONV_K)
-            k, k_past = _conv_token(tl.load(inputs + k_channels, mask=k_ok, other=0.0), k_past, k_taps, CONV_K)
-            v, v_past = _conv_token(tl.load(inputs + v_channels, mask=v_ok, other=0.0), v_past, v_taps, CONV_K)
+            q = tl.load(inputs + q_channels, mask=k_ok, other=0.0)
+            k = tl.load(inputs + k_channels, mask=k_ok, other=0.0)
+            v = tl.load(inputs + v_channels, mask=v_ok, other=0.0)
+            if CONV:  # the conv outputs rounded to the activation dtype, as the conv launch stores them
+                q, q_past = _conv_token(q, q_past, q_taps, CONV_K)
+                k, k_past = _conv_token(k, k_past, k_taps, CONV_K)
+                v, v_past = _conv_token(v, v_past, v_taps, CONV_K)
             q = q.to(dtype).to(tl.float32)
             k = k.to(dtype).to(tl.float32)
             v = v.to(dtype).to(tl.float32)
@@ -167,34 +201,35 @@ if triton is not None:
                            snapshot_ptr, stride_o, stride_z, stride_out, stride_x, stride_c_slot, stride_c_c,
                            stride_c_k, eps, record_count, C, V_HEADS: tl.constexpr, V_DIM: tl.constexpr,
                            HEADS: tl.constexpr, BLOCK_V: tl.constexpr, ROUND_NORM_PRODUCT: tl.constexpr,
-                           QUANTIZE: tl.constexpr, CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, T: tl.constexpr,
-                           SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
+                           QUANTIZE: tl.constexpr, WINDOWS: tl.constexpr, CONV_K: tl.constexpr,
+                           BLOCK_C: tl.constexpr, T: tl.constexpr, SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
         vs = tl.arange(0, BLOCK_V)
         norm_weight = tl.load(norm_weight_ptr + vs, mask=vs < V_DIM, other=0.0)  # no kernel writes it: read early
-        # the conv windows move on here, once every delta-rule program has read them: the program of a sequence's
-        # last row shifts channels [program_id(1) · BLOCK_C, …) of its window past the sequence's T new inputs
         row = tl.program_id(0).to(tl.int64)
-        sequence = row // T
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        window_ok = cols < tl.where(row % T == T - 1, C, 0)  # the other rows' programs skip this part
-        window = conv_ptr + tl.load(slot_ptr + sequence).to(tl.int64) * stride_c_slot + cols * stride_c_c
-        past = ()
-        for j in tl.static_range(CONV_K - 1):  # read before the wait (`gated_delta_decode`: why it may)
-            past = past + (tl.load(window + j * stride_c_k, mask=window_ok, other=0.0),)  # noqa: RUF005
-        if T == 1:  # one new input: it too streams in while the delta rule runs
-            new_input = tl.load(x_ptr + row * stride_x + cols, mask=window_ok, other=0.0)
+        if WINDOWS:  # the conv windows move on here, once every delta-rule program has read them: the program of a
+            # sequence's last row shifts channels [program_id(1) · BLOCK_C, …) of its window past its T new inputs
+            sequence = row // T
+            cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            window_ok = cols < tl.where(row % T == T - 1, C, 0)  # the other rows' programs skip this part
+            window = conv_ptr + tl.load(slot_ptr + sequence).to(tl.int64) * stride_c_slot + cols * stride_c_c
+            past = ()
+            for j in tl.static_range(CONV_K - 1):  # read before the wait (`gated_delta_decode`: why it may)
+                past = past + (tl.load(window + j * stride_c_k, mask=window_ok, other=0.0),)  # noqa: RUF005
+            if T == 1:  # one new input: it too streams in while the delta rule runs
+                new_input = tl.load(x_ptr + row * stride_x + cols, mask=window_ok, other=0.0)
         wait_for_inputs(PDL)
-        for t in tl.static_range(T):
-            if T > 1:
-                new_input = tl.load(x_ptr + (sequence * T + t) * stride_x + cols, mask=window_ok, other=0.0)
-            past = past[1:] + (new_input,)  # noqa: RUF005 (shift left: the new input is the newest column)
-            if SNAPSHOTS:
-                snapshot = tl.load(snapshot_ptr + sequence * T + t).to(tl.int64)
-                for j in tl.static_range(CONV_K - 1):
-                    tl.store(conv_ptr + snapshot * stride_c_slot + cols * stride_c_c + j * stride_c_k, past[j],
-                             mask=window_ok)
-        for j in tl.static_range(CONV_K - 1):
-            tl.store(window + j * stride_c_k, past[j], mask=window_ok)
+        if WINDOWS:
+            for t in tl.static_range(T):
+                if T > 1:
+                    new_input = tl.load(x_ptr + (sequence * T + t) * stride_x + cols, mask=window_ok, other=0.0)
+                past = past[1:] + (new_input,)  # noqa: RUF005 (shift left: the new input is the newest column)
+                if SNAPSHOTS:
+                    snapshot = tl.load(snapshot_ptr + sequence * T + t).to(tl.int64)
+                    for j in tl.static_range(CONV_K - 1):
+                        tl.store(conv_ptr + snapshot * stride_c_slot + cols * stride_c_c + j * stride_c_k, past[j],
+                                 mask=window_ok)
+            for j in tl.static_range(CONV_K - 1):
+                tl.store(window + j * stride_c_k, past[j], mask=window_ok)
         # HEADS value heads of one row: rms_norm_gated per head, and with QUANTIZE (V_DIM a multiple of 32, so a
         # head is whole int8 blocks) the output's records
         heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -273,22 +308,24 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
     device. Returns out `[B·T, v_heads·v_dim]` in x's dtype; with `quantize`, as `Int8Activations` (the output
     projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the quantizer).
 
-    Two launches. The delta rule over (sequence, value head, DELTA_BLOCK_V state columns) — a column of S evolves
-    on its own, so a head's [k_dim, v_dim] state splits into independent column tiles — makes the conv of the
-    channels it reads from their windows (a key head's q / k conv in each program that reads it) and writes o; it
-    does not write the windows, since other programs still read them. The gated norm over whole heads (it needs
-    all of a head's o) writes the int8 records and moves the windows on, once every delta-rule program is done.
-    The conv kernel this replaced cost a launch a layer (about 2 µs of a 27B GDN layer's critical path on the
-    H200; docs/performance.md, twenty-seventh session).
+    Up to FUSED_CONV_SEQUENCES sequences, two launches. The delta rule over (sequence, value head, DELTA_BLOCK_V
+    state columns) — a column of S evolves on its own, so a head's [k_dim, v_dim] state splits into independent
+    column tiles — makes the conv of the channels it reads from their windows (a key head's q / k conv in each
+    program that reads it) and writes o; it does not write the windows, since other programs still read them. The
+    gated norm over whole heads (it needs all of a head's o) writes the int8 records and moves the windows on, once
+    every delta-rule program is done. More sequences take three: the conv in a launch of its own (which moves the
+    windows on), then the delta rule on its output, then the norm. The products are the same in both (written out
+    as FMAs), so a token's bits do not depend on the route.
 
-    Under PDL both launches read before they wait for the kernel before them (`kernels.dependent_launch`'s rule):
+    Under PDL the launches read before they wait for the kernel before them (`kernels.dependent_launch`'s rule):
     the delta rule `slots` and, for up to EARLY_STATE_SEQUENCES sequences, its state tiles, windows and conv
     weights; the norm the windows and, at T = 1, the new inputs x. The pools are written only by this function's
-    launches (the state by the delta rule, which the norm always follows; the windows by the norm, which a GEMV
-    always follows in the runner, never this function's delta rule) and by kernels without PDL (prefill, state
-    copies); x comes from the kernel before the delta rule, two launches before the norm; `slots` comes from the
-    host or from earlier kernels. So a caller must not write x, the pools or `slots` with a PDL kernel launched
-    right before this function (the runner's is the input projections' GEMV, which writes x).
+    launches (the state by the delta rule, which the norm always follows; the windows by the norm or the conv
+    launch, never right before a launch that reads them: a GEMV follows the norm in the runner, the delta rule the
+    conv) and by kernels without PDL (prefill, state copies); x comes from the kernel before this function, two
+    launches before the norm; `slots` comes from the host or from earlier kernels. So a caller must not write x,
+    the pools or `slots` with a PDL kernel launched right before this function (the runner's is the input
+    projections' GEMV, which writes x).
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"
@@ -339,16 +376,24 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
     if B == 0:
         return out
     snapshots = snapshot_slots if snapshot_slots is not None else slots
+    fused = B <= FUSED_CONV_SEQUENCES
+    if not fused:  # the conv in a launch of its own, which moves the windows on; the delta rule reads its output
+        mixed = torch.empty((rows, C), dtype=x.dtype, device=x.device)
+        _conv_kernel[(B, triton.cdiv(C, CONV_BLOCK_C))](
+            x, conv_weight, conv_state, slots, snapshots, mixed, C, x.stride(0), conv_weight.stride(0),
+            conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), mixed.stride(0),
+            K=K, BLOCK_C=CONV_BLOCK_C, T=tokens, SNAPSHOTS=snapshot_slots is not None, **launch_options(x.device))
     block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
     delta_block_v = min(block_v, DELTA_BLOCK_V)
     o = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    source = x if fused else mixed
     _gated_delta_decode_kernel[(B, v_heads, triton.cdiv(v_dim, delta_block_v))](
-        x, conv_weight, conv_state, a_b, ab_x, ab_w, a_log, dt_bias, state, slots, snapshots, o, x.stride(0),
-        conv_weight.stride(0), conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1),
+        source, conv_weight, conv_state, a_b, ab_x, ab_w, a_log, dt_bias, state, slots, snapshots, o,
+        source.stride(0), conv_weight.stride(0), conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1),
         conv_state.stride(2), a_b.stride(0), ab_x.stride(0), ab_w.stride(0), o.stride(0), state.stride(0),
         state.stride(1), state.stride(2), state.stride(3), k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim,
         V_HEADS=v_heads, V_DIM=v_dim, CONV_K=K, BLOCK_K=block_k, BLOCK_V=delta_block_v, L2_EPS=L2_EPS,
-        SNAPSHOTS=snapshot_slots is not None, T=tokens, AB_DOT=ab_dot,
+        SNAPSHOTS=snapshot_slots is not None, T=tokens, CONV=fused, AB_DOT=ab_dot,
         AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, EARLY_STATE=B <= EARLY_STATE_SEQUENCES,
         num_warps=DELTA_WARPS if block_k * delta_block_v >= 128 * 32 else 2,
         **launch_options(x.device))
@@ -364,8 +409,8 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
         o, z, norm_weight, out, records, x, conv_state, slots, snapshots, o.stride(0), z.stride(0), out.stride(0),
         x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), eps, record_count, C,
         V_HEADS=v_heads, V_DIM=v_dim, HEADS=heads, BLOCK_V=block_v, ROUND_NORM_PRODUCT=round_norm_product,
-        QUANTIZE=records_here, CONV_K=K, BLOCK_C=triton.next_power_of_2(triton.cdiv(C, programs)), T=tokens,
-        SNAPSHOTS=snapshot_slots is not None, num_warps=4, **launch_options(x.device))
+        QUANTIZE=records_here, WINDOWS=fused, CONV_K=K, BLOCK_C=triton.next_power_of_2(triton.cdiv(C, programs)),
+        T=tokens, SNAPSHOTS=snapshot_slots is not None, num_warps=4, **launch_options(x.device))
     if not quantize:
         return out
     return Int8Activations(out, records) if records_here else quantize_activations(out)
