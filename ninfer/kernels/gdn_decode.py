@@ -73,6 +73,12 @@ if triton is not None:
         return past, taps
 
     @triton.jit
+    def _store_window(window, past, stride_s_k, ok, K: tl.constexpr):
+        """The K − 1 inputs `past` (oldest first) as the window at `window` (pointers to its first column)."""
+        for j in tl.static_range(K - 1):
+            tl.store(window + j * stride_s_k, past[j], mask=ok)
+
+    @triton.jit
     def _conv_token(x, past, taps, K: tl.constexpr):
         """One token of the depthwise causal conv: silu(w[K-1] · x + Σ_j w[j] · past[j]) in fp32, in that order,
         and the window shifted by x (the newest input last). Every product is rounded where the code says so (FMAs
@@ -101,10 +107,8 @@ if triton is not None:
             tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
             if SNAPSHOTS:
                 snapshot = state_ptr + tl.load(snapshot_ptr + row).to(tl.int64) * stride_s_slot + cols * stride_s_c
-                for j in tl.static_range(K - 1):
-                    tl.store(snapshot + j * stride_s_k, past[j], mask=ok)
-        for j in tl.static_range(K - 1):
-            tl.store(window + j * stride_s_k, past[j], mask=ok)
+                _store_window(snapshot, past, stride_s_k, ok, K)
+        _store_window(window, past, stride_s_k, ok, K)
 
     @triton.jit
     def _gated_delta_decode_kernel(x_ptr, conv_w_ptr, conv_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr,
@@ -225,11 +229,9 @@ if triton is not None:
                 past = past[1:] + (new_input,)  # noqa: RUF005 (shift left: the new input is the newest column)
                 if SNAPSHOTS:
                     snapshot = tl.load(snapshot_ptr + sequence * T + t).to(tl.int64)
-                    for j in tl.static_range(CONV_K - 1):
-                        tl.store(conv_ptr + snapshot * stride_c_slot + cols * stride_c_c + j * stride_c_k, past[j],
-                                 mask=window_ok)
-            for j in tl.static_range(CONV_K - 1):
-                tl.store(window + j * stride_c_k, past[j], mask=window_ok)
+                    _store_window(conv_ptr + snapshot * stride_c_slot + cols * stride_c_c, past, stride_c_k,
+                                  window_ok, CONV_K)
+            _store_window(window, past, stride_c_k, window_ok, CONV_K)
         # HEADS value heads of one row: rms_norm_gated per head, and with QUANTIZE (V_DIM a multiple of 32, so a
         # head is whole int8 blocks) the output's records
         heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
