@@ -64,13 +64,18 @@ if triton is not None:
         """The conv window of some channels (`window`, `weights`: pointer tensors to their first column): its K − 1
         past inputs as stored, oldest first, and the K taps in fp32 (tuples grow by concatenation: Triton 3.6's
         frontend has no starred expressions)."""
-        past = ()
         taps = ()
-        for j in tl.static_range(K - 1):
-            past = past + (tl.load(window + j * stride_s_k, mask=ok, other=0.0),)  # noqa: RUF005
         for j in tl.static_range(K):
             taps = taps + (tl.load(weights + j * stride_w_k, mask=ok, other=0.0).to(tl.float32),)  # noqa: RUF005
-        return past, taps
+        return _load_window(window, stride_s_k, ok, K), taps
+
+    @triton.jit
+    def _load_window(window, stride_s_k, ok, K: tl.constexpr):
+        """The K − 1 inputs of the window at `window` (pointers to its first column), oldest first, as stored."""
+        past = ()
+        for j in tl.static_range(K - 1):
+            past = past + (tl.load(window + j * stride_s_k, mask=ok, other=0.0),)  # noqa: RUF005
+        return past
 
     @triton.jit
     def _store_window(window, past, stride_s_k, ok, K: tl.constexpr):
@@ -216,9 +221,7 @@ if triton is not None:
             cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
             window_ok = cols < tl.where(row % T == T - 1, C, 0)  # the other rows' programs skip this part
             window = conv_ptr + tl.load(slot_ptr + sequence).to(tl.int64) * stride_c_slot + cols * stride_c_c
-            past = ()
-            for j in tl.static_range(CONV_K - 1):  # read before the wait (`gated_delta_decode`: why it may)
-                past = past + (tl.load(window + j * stride_c_k, mask=window_ok, other=0.0),)  # noqa: RUF005
+            past = _load_window(window, stride_c_k, window_ok, CONV_K)  # before the wait (`gated_delta_decode`: why)
             if T == 1:  # one new input: it too streams in while the delta rule runs
                 new_input = tl.load(x_ptr + row * stride_x + cols, mask=window_ok, other=0.0)
         wait_for_inputs(PDL)
