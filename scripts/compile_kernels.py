@@ -140,10 +140,9 @@ def _record_all() -> None:
                                   torch.randn(4, 2 * v_heads, dtype=torch.bfloat16), *conv, *vectors, state, slots,
                                   k_heads, k_dim, v_heads, v_dim, 1e-6, tokens=2, snapshot_slots=snapshots,
                                   quantize=True)
-    gdn_decode.gated_delta_decode(torch.randn(8, channels, dtype=torch.bfloat16),  # batch 8, a/b in the conv launch
+    gdn_decode.gated_delta_decode(torch.randn(8, channels, dtype=torch.bfloat16),  # batch 8
                                   torch.randn(8, v_heads * v_dim, dtype=torch.bfloat16),
-                                  (torch.randn(8, 5120, dtype=torch.bfloat16),
-                                   torch.randn(2 * v_heads, 5120, dtype=torch.bfloat16)), *conv, *vectors, state,
+                                  torch.randn(8, 2 * v_heads, dtype=torch.bfloat16), *conv, *vectors, state,
                                   torch.arange(6).repeat(2)[:8], k_heads, k_dim, v_heads, v_dim, 1e-6, quantize=True)
     gdn_decode.gated_delta_decode(torch.randn(1, channels, dtype=torch.bfloat16),  # a/b in the kernel (one row)
                                   torch.randn(1, v_heads * v_dim, dtype=torch.bfloat16),

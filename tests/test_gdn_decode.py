@@ -149,24 +149,22 @@ def test_decode_computes_the_a_b_projection_in_the_kernel():
 
 
 @pytest.mark.parametrize("hidden", [40, 256, 300])
-@pytest.mark.parametrize("batch", [1, 3])
-def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden, batch):
-    """The runner computes a/b through `dense_linear_gemv(pairwise=True)` beside the input projections, or lets
-    `gated_delta_decode` make it: in the delta-rule launch at one sequence, in the conv launch at more (batch 3).
-    All must give a token the same bits (a verify step's rows equal the decode steps'), here checked on the whole
-    outputs and states (K of 40, 256 and 300 lanes: padded tiles of 64, 256 and 512)."""
+def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden):
+    """The runner computes a/b in the delta-rule launch for one row and through `dense_linear_gemv(pairwise=True)`
+    for more: both must give a token the same bits (a verify step's rows equal the decode steps'), here checked on
+    the whole outputs and states (K of 40, 256 and 300 lanes: padded tiles of 64, 256 and 512)."""
     d, device = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=32), _device()
     generator = torch.Generator().manual_seed(hidden)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).to(device)
 
-    B = batch
+    B = 3
     mixed, z = randn(B, d.channels), randn(B, d.v_heads * d.v_dim)
     x, weight = randn(B, hidden), randn(2 * d.v_heads, hidden, scale=hidden**-0.5)
     conv = (randn(d.channels, d.conv_kernel), randn(4, d.channels, d.conv_kernel - 1))
     vectors = (randn(d.v_heads), randn(d.v_heads), randn(d.v_dim))
-    state, slots = randn(4, d.v_heads, d.k_dim, d.v_dim, scale=0.1), torch.tensor([2, 0, 3][:B], device=device)
+    state, slots = randn(4, d.v_heads, d.k_dim, d.v_dim, scale=0.1), torch.tensor([2, 0, 3], device=device)
     args = (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
     separate_state, fused_state = state.clone(), state.clone()
     separate = gated_delta_decode(mixed, z, dense_linear_gemv(x, weight, torch.float32, pairwise=True), conv[0],
@@ -333,11 +331,9 @@ def test_a_several_token_call_has_the_bits_of_one_token_calls(d, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32] if os.environ.get("TRITON_INTERPRET") == "1" else
                          [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("ab_in_kernel", [False, True])
-def test_the_conv_in_the_delta_rule_launch_has_the_bits_of_its_own_launch(monkeypatch, dtype, tokens, ab_in_kernel):
-    """Steps of up to FUSED_CONV_SEQUENCES sequences make the conv (and an a/b given as its input and weight) in the
-    delta-rule launch, larger ones in a launch of their own: a token's output, windows, states and snapshots must
-    not depend on which."""
+def test_the_conv_in_the_delta_rule_launch_has_the_bits_of_its_own_launch(monkeypatch, dtype, tokens):
+    """Steps of up to FUSED_CONV_SEQUENCES sequences make the conv in the delta-rule launch, larger ones in a launch
+    of its own: a token's output, windows, states and snapshots must not depend on which."""
     d, device = Dims(k_heads=2, k_dim=64, v_heads=4, v_dim=64), _device()
     generator = torch.Generator().manual_seed(tokens)
 
@@ -348,8 +344,6 @@ def test_the_conv_in_the_delta_rule_launch_has_the_bits_of_its_own_launch(monkey
     rows = batch * tokens
     x, z = randn(rows, d.channels).to(dtype), randn(rows, d.v_heads * d.v_dim).to(dtype)
     a_b, weight = randn(rows, 2 * d.v_heads).to(dtype), randn(d.channels, d.conv_kernel, scale=0.5).to(dtype)
-    if ab_in_kernel:  # a 200-lane input row view and its projection
-        a_b = (randn(rows, 203).to(dtype)[:, 3:], randn(2 * d.v_heads, 200, scale=0.1).to(dtype))
     vectors = (randn(d.v_heads, scale=0.5), randn(d.v_heads), (1 + randn(d.v_dim, scale=0.1)).to(dtype))
     conv, state = randn(pool, d.channels, d.conv_kernel - 1).to(dtype), randn(pool, d.v_heads, d.k_dim, d.v_dim)
     slots = torch.tensor([4, 1], device=device)

@@ -39,7 +39,7 @@ from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
-from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, FUSED_CONV_SEQUENCES, gated_delta_decode
+from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, gated_delta_decode
 from ninfer.kernels.l2_prefetch import L2Prefetch, prefetch_to_l2
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
@@ -484,19 +484,16 @@ class FastQwen35:
         source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
         outs = [projected[:, :key_columns], projected[:, key_columns:]]
         one_launch = shares_launch(source, query_key, value_z)
-        a_b_operands = self._a_b_in_launch(source, a_b, tokens)
-        if not one_launch or a_b_operands is None:  # q|k when it has a launch of its own, and the a/b GEMV, beside v|z
-            with self.branches.beside(self._independent(source, [query_key, value_z, a_b])):
-                if not one_launch:
-                    project(source, [query_key], outs[:1])
-                if a_b_operands is None:
-                    a_b = self._gdn_a_b(source, a_b)
+        # the a/b projection, and q|k when it has a launch of its own, beside v|z
+        with self.branches.beside(self._independent(source, [query_key, value_z, a_b])):
+            if not one_launch:
+                project(source, [query_key], outs[:1])
+            a_b = self._gdn_a_b(source, a_b)
         project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
         self.branches.join()
         self._prefetch([prefix + "output"])
         index = self.cache.gdn_index[layer]
-        o = gated_delta_decode(projected[:, : key_columns + value_rows], projected[:, key_columns + value_rows :],
-                               a_b if a_b_operands is None else a_b_operands,
+        o = gated_delta_decode(projected[:, : key_columns + value_rows], projected[:, key_columns + value_rows :], a_b,
                                self.vectors[prefix + "convolution"], self.cache.conv[index],
                                self.vectors[prefix + "a_log"], self.vectors[prefix + "dt_bias"],
                                self.vectors[prefix + "norm"], self.cache.recurrent[index], slots, c.k_heads, c.k_dim,
@@ -511,29 +508,18 @@ class FastQwen35:
         steps with exact activations)."""
         return not any(reader.route(x) == "scratch" for reader in readers)
 
-    def _a_b_in_launch(self, source: torch.Tensor | Int8Activations, reader: PackedLinear,
-                       tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The pair (x, W) when `gated_delta_decode` makes the GDN a/b projection in its own launches, else None (a
-        launch of its own: `_gdn_a_b`). That is a dense a/b (the 27B's 0.5 M bf16 elements) at one row, in the
-        delta-rule launch (one launch fewer), unless the step runs it in a graph branch of its own (`Branches`),
-        beside the input projections; and above FUSED_CONV_SEQUENCES sequences, in extra programs of the conv
-        launch, whose programmatic edge to the input projections replaces the branch's join (a join is a full edge:
-        the launch after it waited for the GEMV's end). A verify step of one sequence keeps the GEMV, since each of
-        the delta rule's column tiles would read the rows again."""
-        if reader.weight is None or reader.shape[1] > AB_IN_KERNEL_MAX_K or source.shape[0] > MAX_GEMV_TOKENS:
-            return None
-        one_row_alone = source.shape[0] == 1 and self.branches.side is None
-        if source.shape[0] // tokens <= FUSED_CONV_SEQUENCES and not one_row_alone:
-            return None
-        return (source.source if isinstance(source, Int8Activations) else source).to(reader.weight.dtype), reader.weight
-
-    def _gdn_a_b(self, source: torch.Tensor | Int8Activations, reader: PackedLinear) -> torch.Tensor:
-        """The GDN a/b projection of a step's rows in a launch of its own. A dense a/b takes the dense GEMV's
-        fixed-order sums, as `gated_delta_decode` does it in its launches, so a token's bits never depend on the
-        batch."""
+    def _gdn_a_b(self, source: torch.Tensor | Int8Activations,
+                 reader: PackedLinear) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The GDN a/b projection of a step's rows, or the pair (x, W) for the delta-rule kernel to compute it. A
+        dense a/b (the 27B's 0.5 M bf16 elements) takes the dense GEMV's fixed-order sums on either route, so a
+        token's bits never depend on the batch. One row computes it in the delta-rule launch (one launch fewer),
+        unless the step runs it in a graph branch of its own (`Branches`), beside the input projections; more rows
+        always take the GEMV, since the kernel's programs would each read the rows again (one per column tile)."""
         if reader.weight is None or reader.shape[1] > AB_IN_KERNEL_MAX_K or source.shape[0] > MAX_GEMV_TOKENS:
             return reader(source)
         x = (source.source if isinstance(source, Int8Activations) else source).to(reader.weight.dtype)
+        if x.shape[0] == 1 and self.branches.side is None:
+            return x, reader.weight
         return dense_linear_gemv(x, reader.weight, self.dtype, pairwise=True)
 
     def _mlp(self, h: torch.Tensor, prefix: str, integer: bool) -> torch.Tensor:

@@ -2,8 +2,7 @@
 sequence's conv window and recurrent state in a pool slot.
 
 `gated_delta_decode`, the fused few-token form of the torch reference path of `Qwen35Model.gated_deltanet` from the
-input projections on, in two Triton launches (three above FUSED_CONV_SEQUENCES sequences: the conv apart, with the
-a/b projection beside it when the caller passes that projection's input and weight):
+input projections on, in two Triton launches (three above FUSED_CONV_SEQUENCES sequences, the conv apart):
   * the delta rule: `causal_conv1d` of each program's channels from its pooled window, q/k L2 norm, the gates and T
     steps of the gated delta rule on the sequence's recurrent state (kept in registers between tokens, written back
     at the end; programs own column tiles of a head's state);
@@ -96,61 +95,25 @@ if triton is not None:
         return tl.fma(acc, tl.sigmoid(acc), 0.0), past[1:] + (x,)  # noqa: RUF005
 
     @triton.jit
-    def _a_b_weights(ab_w_ptr, head, stride_ab_w, AB_K, V_HEADS: tl.constexpr, AB_BLOCK: tl.constexpr):
-        """The a and b rows of value head `head` of the dense a/b projection `[2, AB_BLOCK]`, zero past AB_K."""
-        lanes = tl.arange(0, AB_BLOCK)
-        ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
-        return tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :], mask=(lanes < AB_K)[None, :],
-                       other=0.0)
-
-    @triton.jit
-    def _a_b_product(w, x_row_ptr, AB_K, AB_BLOCK: tl.constexpr, dtype: tl.constexpr):
-        """(a, b) of one input row (`_a_b_weights` rows w) as `[2]` in `dtype`: the dense GEMV's bits
-        (`dense_linear_gemv(pairwise=True)`: products written out, the fixed tree of `pairwise_row_sum`), rounded
-        as its output."""
-        lanes = tl.arange(0, AB_BLOCK)
-        x_row = tl.load(x_row_ptr + lanes, mask=lanes < AB_K, other=0.0)
-        products = tl.fma(w.to(tl.float32), x_row.to(tl.float32)[None, :], tl.zeros([2, AB_BLOCK], tl.float32))
-        return pairwise_row_sum(products, AB_BLOCK).to(dtype)
-
-    @triton.jit
-    def _conv_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, ab_x_ptr, ab_w_ptr, a_b_ptr, C,
-                     stride_x, stride_w_c, stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out, stride_ab_x,
-                     stride_ab_w, stride_a_b, AB_K, K: tl.constexpr, BLOCK_C: tl.constexpr, T: tl.constexpr,
-                     SNAPSHOTS: tl.constexpr, V_HEADS: tl.constexpr, AB_DOT: tl.constexpr, AB_BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+    def _conv_kernel(x_ptr, weight_ptr, state_ptr, slot_ptr, snapshot_ptr, out_ptr, C, stride_x, stride_w_c,
+                     stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out, K: tl.constexpr,
+                     BLOCK_C: tl.constexpr, T: tl.constexpr, SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
         """The conv of steps above FUSED_CONV_SEQUENCES: BLOCK_C channels of one sequence's T tokens, the window
-        read once and moved through registers, written back (and to the snapshots) as the norm launch does it. With
-        AB_DOT, V_HEADS more programs per sequence (program_id(1) past the conv's) each make one value head's a and b
-        for the sequence's rows, from the projection's input, which they read with the weights before the wait."""
+        read once and moved through registers, written back (and to the snapshots) as the norm launch does it."""
+        wait_for_inputs(PDL)
         sequence = tl.program_id(0)
-        conv_programs = tl.cdiv(C, BLOCK_C)
-        if AB_DOT and tl.program_id(1) >= conv_programs:
-            head = tl.program_id(1) - conv_programs
-            w = _a_b_weights(ab_w_ptr, head, stride_ab_w, AB_K, V_HEADS, AB_BLOCK)
-            products = ()
-            for t in tl.static_range(T):
-                row_a_b = _a_b_product(w, ab_x_ptr + (sequence * T + t) * stride_ab_x, AB_K, AB_BLOCK,
-                                       a_b_ptr.dtype.element_ty)
-                products = products + (row_a_b,)  # noqa: RUF005
-            wait_for_inputs(PDL)
-            pair = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
-            for t in tl.static_range(T):
-                tl.store(a_b_ptr + (sequence * T + t) * stride_a_b + pair, products[t])
-        else:
-            wait_for_inputs(PDL)
-            cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-            ok = cols < C
-            window = state_ptr + tl.load(slot_ptr + sequence).to(tl.int64) * stride_s_slot + cols * stride_s_c
-            past, taps = _conv_window(window, weight_ptr + cols * stride_w_c, stride_s_k, stride_w_k, ok, K)
-            for t in tl.static_range(T):
-                row = sequence * T + t
-                out, past = _conv_token(tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0), past, taps, K)
-                tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
-                if SNAPSHOTS:
-                    snapshot = state_ptr + tl.load(snapshot_ptr + row).to(tl.int64) * stride_s_slot + cols * stride_s_c
-                    _store_window(snapshot, past, stride_s_k, ok, K)
-            _store_window(window, past, stride_s_k, ok, K)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = cols < C
+        window = state_ptr + tl.load(slot_ptr + sequence).to(tl.int64) * stride_s_slot + cols * stride_s_c
+        past, taps = _conv_window(window, weight_ptr + cols * stride_w_c, stride_s_k, stride_w_k, ok, K)
+        for t in tl.static_range(T):
+            row = sequence * T + t
+            out, past = _conv_token(tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0), past, taps, K)
+            tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+            if SNAPSHOTS:
+                snapshot = state_ptr + tl.load(snapshot_ptr + row).to(tl.int64) * stride_s_slot + cols * stride_s_c
+                _store_window(snapshot, past, stride_s_k, ok, K)
+        _store_window(window, past, stride_s_k, ok, K)
 
     @triton.jit
     def _gated_delta_decode_kernel(x_ptr, conv_w_ptr, conv_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr,
@@ -214,8 +177,14 @@ if triton is not None:
             k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
 
             if AB_DOT:  # the head's a and b rows of the projection, read with the row's input in one wave
-                w = _a_b_weights(ab_w_ptr, head, stride_ab_w, AB_K, V_HEADS, AB_BLOCK)
-                a_b = _a_b_product(w, ab_x_ptr + row * stride_ab_x, AB_K, AB_BLOCK, dtype)
+                lanes = tl.arange(0, AB_BLOCK)
+                ab_rows = tl.where(tl.arange(0, 2) == 0, head, V_HEADS + head)
+                w = tl.load(ab_w_ptr + ab_rows[:, None] * stride_ab_w + lanes[None, :], mask=(lanes < AB_K)[None, :],
+                            other=0.0)
+                x_row = tl.load(ab_x_ptr + row * stride_ab_x + lanes, mask=lanes < AB_K, other=0.0)
+                # the dense GEMV's bits (`dense_linear_gemv(pairwise=True)`), rounded as its output
+                products = tl.fma(w.to(tl.float32), x_row.to(tl.float32)[None, :], tl.zeros([2, AB_BLOCK], tl.float32))
+                a_b = pairwise_row_sum(products, AB_BLOCK).to(dtype)
                 a = tl.sum(tl.where(tl.arange(0, 2) == 0, a_b, 0.0), 0).to(tl.float32)
                 b = tl.sum(tl.where(tl.arange(0, 2) == 1, a_b, 0.0), 0).to(dtype)
             else:
@@ -335,8 +304,7 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
 
     Shapes: x `[B·T, 2·k_heads·k_dim + v_heads·v_dim]` (q | k | v before the conv, C channels) fp32/bf16/fp16; z
     `[B·T, v_heads·v_dim]`; a_b either the projection's output `[B·T, 2·v_heads]` (a | b) or, to compute it in
-    this function's launches (the delta rule's up to FUSED_CONV_SEQUENCES sequences, the conv's above), the pair
-    (x `[B·T, H]`, W `[2·v_heads, H]`, one dtype, H ≤ AB_IN_KERNEL_MAX_K): a_b =
+    the delta-rule launch, the pair (x `[B·T, H]`, W `[2·v_heads, H]`, one dtype, H ≤ AB_IN_KERNEL_MAX_K): a_b =
     x · Wᵀ in fp32 with the fixed-order sums of `dense_linear_gemv(x, W, pairwise=True)` (the same bits), rounded
     to x's dtype — each with unit column stride, row views fine; conv_weight `[C, K]`, K ≥ 2, any float dtype;
     conv_state `[S, C, K-1]` in x's dtype (any strides); a_log, dt_bias `[v_heads]`; norm_weight `[v_dim]`; state
@@ -351,21 +319,18 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
     program that reads it) and writes o; it does not write the windows, since other programs still read them. The
     gated norm over whole heads (it needs all of a head's o) writes the int8 records and moves the windows on, once
     every delta-rule program is done. More sequences take three: the conv in a launch of its own (which moves the
-    windows on, and whose extra programs make a/b when it is given as (x, W): one per sequence and value head,
-    which the delta-rule launch could not do without every column tile reading the head's rows again), then the
-    delta rule on its output, then the norm. The products are the same in both (written out as FMAs, and a/b with
-    the dense GEMV's helper), so a token's bits do not depend on the route.
+    windows on), then the delta rule on its output, then the norm. The products are the same in both (written out
+    as FMAs), so a token's bits do not depend on the route.
 
     Under PDL the launches read before they wait for the kernel before them (`kernels.dependent_launch`'s rule):
     the delta rule `slots` and, for up to EARLY_STATE_SEQUENCES sequences, its state tiles, windows and conv
-    weights; the conv launch's a/b programs the a/b input and weight; the norm the windows and, at T = 1, the new
-    inputs x. The pools are written only by this function's launches (the state by the delta rule, which the norm
-    always follows; the windows by the norm or the conv launch, never right before a launch that reads them: a GEMV
-    follows the norm in the runner, the delta rule the conv) and by kernels without PDL (prefill, state copies); x
-    comes from the kernel before this function, two launches before the norm; `slots` comes from the host or from
-    earlier kernels. So a caller must not write x,
-    the pools, `slots` or the a/b input with a PDL kernel launched right before this function (the runner's is the
-    input projections' GEMV, which writes x).
+    weights; the norm the windows and, at T = 1, the new inputs x. The pools are written only by this function's
+    launches (the state by the delta rule, which the norm always follows; the windows by the norm or the conv
+    launch, never right before a launch that reads them: a GEMV follows the norm in the runner, the delta rule the
+    conv) and by kernels without PDL (prefill, state copies); x comes from the kernel before this function, two
+    launches before the norm; `slots` comes from the host or from earlier kernels. So a caller must not write x,
+    the pools or `slots` with a PDL kernel launched right before this function (the runner's is the input
+    projections' GEMV, which writes x).
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"
@@ -417,19 +382,12 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
         return out
     snapshots = snapshot_slots if snapshot_slots is not None else slots
     fused = B <= FUSED_CONV_SEQUENCES
-    ab_block = triton.next_power_of_2(hidden) if ab_dot else 1
-    if not fused:  # the conv in a launch of its own, which moves the windows on (and makes a/b); the delta rule reads
-        # their outputs
+    if not fused:  # the conv in a launch of its own, which moves the windows on; the delta rule reads its output
         mixed = torch.empty((rows, C), dtype=x.dtype, device=x.device)
-        if ab_dot:
-            a_b = torch.empty((rows, 2 * v_heads), dtype=x.dtype, device=x.device)
-        _conv_kernel[(B, triton.cdiv(C, CONV_BLOCK_C) + (v_heads if ab_dot else 0))](
-            x, conv_weight, conv_state, slots, snapshots, mixed, ab_x, ab_w, a_b, C, x.stride(0),
-            conv_weight.stride(0), conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1),
-            conv_state.stride(2), mixed.stride(0), ab_x.stride(0), ab_w.stride(0), a_b.stride(0), hidden, K=K,
-            BLOCK_C=CONV_BLOCK_C, T=tokens, SNAPSHOTS=snapshot_slots is not None, V_HEADS=v_heads, AB_DOT=ab_dot,
-            AB_BLOCK=ab_block, **launch_options(x.device))
-        ab_dot = False  # the delta rule reads a/b
+        _conv_kernel[(B, triton.cdiv(C, CONV_BLOCK_C))](
+            x, conv_weight, conv_state, slots, snapshots, mixed, C, x.stride(0), conv_weight.stride(0),
+            conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), mixed.stride(0),
+            K=K, BLOCK_C=CONV_BLOCK_C, T=tokens, SNAPSHOTS=snapshot_slots is not None, **launch_options(x.device))
     block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
     delta_block_v = min(block_v, DELTA_BLOCK_V)
     o = torch.empty((rows, width), dtype=x.dtype, device=x.device)
@@ -441,7 +399,7 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
         state.stride(1), state.stride(2), state.stride(3), k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim,
         V_HEADS=v_heads, V_DIM=v_dim, CONV_K=K, BLOCK_K=block_k, BLOCK_V=delta_block_v, L2_EPS=L2_EPS,
         SNAPSHOTS=snapshot_slots is not None, T=tokens, CONV=fused, AB_DOT=ab_dot,
-        AB_BLOCK=ab_block if ab_dot else 1, EARLY_STATE=B <= EARLY_STATE_SEQUENCES,
+        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, EARLY_STATE=B <= EARLY_STATE_SEQUENCES,
         num_warps=DELTA_WARPS if block_k * delta_block_v >= 128 * 32 else 2,
         **launch_options(x.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
