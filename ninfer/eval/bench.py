@@ -2,8 +2,9 @@
 in the same run.
 
 Limits (METHOD: write the floor first):
-  * read bandwidth — the time to reduce a large buffer (bytes read once) — bounds decode: a decode step must read
-    every weight once, plus the KV rows and the recurrent state of each sequence;
+  * read bandwidth — the time to reduce a large buffer (bytes read once; on CUDA several reductions back to back,
+    READ_BURST) — bounds decode: a decode step must read every weight once, plus the KV rows and the recurrent
+    state of each sequence;
   * matmul rate — a large square matmul in the compute dtype — bounds prefill: 2 FLOPs per weight per token
     plus the attention scores.
 Decode fraction = (bytes read per step / measured bandwidth) / measured step time; prefill fraction =
@@ -38,6 +39,10 @@ class Limits:
 
 
 LIMIT_REPEATS = 21  # timed calls per limit (the median is reported)
+# reductions per timing of the read bandwidth on CUDA: back to back, as a decode step's kernels read. One 1 GiB
+# reduction alone, with the GPU idle around it, read 2-7 % lower and varied more from run to run (H200: 4.02-4.17
+# against 4.29 TB/s in one process; docs/performance.md, twenty-eighth session)
+READ_BURST = 10
 
 
 @dataclass
@@ -88,8 +93,16 @@ def measure_limits(device: torch.device, dtype: torch.dtype) -> Limits:
 
 
 def _read_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of reductions over an `nbytes` buffer, READ_BURST of them back to back per timing on CUDA."""
     buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    return nbytes / _timed(device, buffer.sum, repeats=LIMIT_REPEATS)
+    out = torch.empty((), dtype=torch.float32, device=device)
+    burst = READ_BURST if device.type == "cuda" else 1
+
+    def reductions() -> None:
+        for _ in range(burst):
+            torch.sum(buffer, dim=0, out=out)
+
+    return burst * nbytes / _timed(device, reductions, repeats=LIMIT_REPEATS)
 
 
 def _state_bytes(llm: LLM, length: int) -> int:
