@@ -13,21 +13,9 @@ import sys
 
 import torch
 
-from ninfer.eval.bench import _read_bandwidth
+from ninfer.eval.bench import _read_bandwidth, _timed
 
 NBYTES = 1 << 30
-
-
-def _median_seconds(work, repeats: int = 21) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        work()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -44,13 +32,12 @@ def main() -> None:
         return work
 
     for round_ in range(rounds):
-        reductions(1)()
-        cells = [f"single {NBYTES / _median_seconds(reductions(1)) / 1e12:.3f}"]
+        cells = [f"single {NBYTES / _timed(device, reductions(1), 21) / 1e12:.3f}"]
         reductions(400)()  # about a second of reductions
-        cells.append(f"warm {NBYTES / _median_seconds(reductions(1)) / 1e12:.3f}")
+        cells.append(f"warm {NBYTES / _timed(device, reductions(1), 21) / 1e12:.3f}")
         cells.append(f"bench {_read_bandwidth(device, NBYTES) / 1e12:.3f}")
-        cells.append(f"burst40 {40 * NBYTES / _median_seconds(reductions(40), repeats=5) / 1e12:.3f}")
-        cells.append(f"copy(read) {NBYTES / _median_seconds(lambda: target.copy_(buffer)) / 1e12:.3f}")
+        cells.append(f"burst40 {40 * NBYTES / _timed(device, reductions(40), 5) / 1e12:.3f}")
+        cells.append(f"copy(read) {NBYTES / _timed(device, lambda: target.copy_(buffer), 21) / 1e12:.3f}")
         torch.cuda.synchronize()
         print(f"round {round_}: TB/s " + ", ".join(cells), flush=True)
 
