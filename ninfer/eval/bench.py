@@ -92,11 +92,12 @@ def measure_limits(device: torch.device, dtype: torch.dtype) -> Limits:
     return Limits(str(device), bandwidth, 2 * n**3 / seconds, str(dtype).removeprefix("torch."))
 
 
-def _read_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of reductions over an `nbytes` buffer, READ_BURST of them back to back per timing on CUDA."""
+def _read_bandwidth(device: torch.device, nbytes: int, burst: int | None = None) -> float:
+    """Bytes per second of reductions over an `nbytes` buffer, `burst` of them back to back per timing (by default
+    READ_BURST on CUDA, one elsewhere)."""
     buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     out = torch.empty((), dtype=torch.float32, device=device)
-    burst = READ_BURST if device.type == "cuda" else 1
+    burst = burst or (READ_BURST if device.type == "cuda" else 1)
 
     def reductions() -> None:
         for _ in range(burst):

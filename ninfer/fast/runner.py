@@ -479,7 +479,7 @@ class FastQwen35:
         query_key, value_z, a_b = (self.linears[prefix + n] for n in GDN_PROJECTIONS)
         output = self.linears[prefix + "output"]
         key_columns = query_key.shape[0]
-        # q | k and v | z side by side in one buffer: the delta rule's conv reads q | k | v as one row view
+        # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view
         projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
         source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
         outs = [projected[:, :key_columns], projected[:, key_columns:]]

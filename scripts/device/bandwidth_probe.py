@@ -24,19 +24,13 @@ def main() -> None:
     buffer = torch.ones(NBYTES // 4, device=device)
     target = torch.empty_like(buffer)
     out = torch.empty((), device=device)
-
-    def reductions(count: int):
-        def work():
-            for _ in range(count):
-                torch.sum(buffer, dim=0, out=out)
-        return work
-
     for round_ in range(rounds):
-        cells = [f"single {NBYTES / _timed(device, reductions(1), 21) / 1e12:.3f}"]
-        reductions(400)()  # about a second of reductions
-        cells.append(f"warm {NBYTES / _timed(device, reductions(1), 21) / 1e12:.3f}")
+        cells = [f"single {_read_bandwidth(device, NBYTES, burst=1) / 1e12:.3f}"]
+        for _ in range(400):  # about a second of reductions
+            torch.sum(buffer, dim=0, out=out)
+        cells.append(f"warm {_read_bandwidth(device, NBYTES, burst=1) / 1e12:.3f}")
         cells.append(f"bench {_read_bandwidth(device, NBYTES) / 1e12:.3f}")
-        cells.append(f"burst40 {40 * NBYTES / _timed(device, reductions(40), 5) / 1e12:.3f}")
+        cells.append(f"burst40 {_read_bandwidth(device, NBYTES, burst=40) / 1e12:.3f}")
         cells.append(f"copy(read) {NBYTES / _timed(device, lambda: target.copy_(buffer), 21) / 1e12:.3f}")
         torch.cuda.synchronize()
         print(f"round {round_}: TB/s " + ", ".join(cells), flush=True)
