@@ -174,40 +174,13 @@ def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden)
     assert not torch.equal(fused_state, state)  # the step ran
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_deferred_windows_move_on_in_their_own_call(tokens):
-    """With `defer_windows` a one-sequence step (the conv in the delta-rule launch) leaves the windows as they were
-    until `move_conv_windows`, which then gives the pools and snapshots of the step that moves them itself; a step
-    of more sequences (the conv in its own launch) has moved them already, and the call does nothing."""
-    d, device = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=64), _device()
-    generator = torch.Generator().manual_seed(tokens)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(device)
-
-    pool = 12
-    weight, vectors = randn(d.channels, d.conv_kernel, scale=0.5), (randn(d.v_heads), randn(d.v_heads),
-                                                                      randn(d.v_dim))
-    conv, state = randn(pool, d.channels, d.conv_kernel - 1), randn(pool, d.v_heads, d.k_dim, d.v_dim, scale=0.1)
-    dims = (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
-    for slots in ([4], [4, 1]):
-        rows = len(slots) * tokens
-        x, z, a_b = randn(rows, d.channels), randn(rows, d.v_heads * d.v_dim), randn(rows, 2 * d.v_heads)
-        slot_tensor = torch.tensor(slots, device=device)
-        snapshots = torch.arange(6, 6 + rows, device=device).view(len(slots), tokens) if tokens > 1 else None
-        moved, deferred = (conv.clone(), state.clone()), (conv.clone(), state.clone())
-        expected = gated_delta_decode(x, z, a_b, weight, moved[0], *vectors, moved[1], slot_tensor, *dims,
-                                      tokens=tokens, snapshot_slots=snapshots)
-        got = gated_delta_decode(x, z, a_b, weight, deferred[0], *vectors, deferred[1], slot_tensor, *dims,
-                                 tokens=tokens, snapshot_slots=snapshots, defer_windows=True)
-        assert torch.equal(got, expected) and torch.equal(deferred[1], moved[1])
-        if len(slots) <= gdn_decode.FUSED_CONV_SEQUENCES:
-            assert torch.equal(deferred[0], conv)  # not moved yet
-        gdn_decode.move_conv_windows(x, deferred[0], slot_tensor, tokens, snapshots)
-        assert torch.equal(deferred[0], moved[0]) and not torch.equal(moved[0], conv)
+def test_decode_splits_a_heads_state_into_column_tiles():
+    # v_dim 64: two 32-column programs per head, whose outputs meet again in the gated norm
+    decode_and_compare(Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=64), [2, 0], pool=4, steps=2,
+                       dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE)
 
 
-# records made by the delta-rule launch, with a zero record padding 96 lanes to 128, and by the quantizer after it
+# records made by the norm kernel, with a zero record padding 96 lanes to 128, and by the quantizer after it
 @pytest.mark.parametrize(("v_heads", "v_dim"), [(4, 64), (3, 32), (4, 24)])
 def test_decode_output_comes_with_the_quantizers_records(v_heads, v_dim):
     d, B, device = Dims(k_heads=1, k_dim=16, v_heads=v_heads, v_dim=v_dim), 2, _device()
@@ -272,11 +245,6 @@ def test_kernels_refuse_inconsistent_inputs():
         gated_delta_decode(mixed, z, a_b, conv[0], conv[1].bfloat16(), *vectors, state, slots, *dims)
     with pytest.raises(ValueError, match="conv_weight must be"):
         gated_delta_decode(mixed, z, a_b, conv[0][1:], conv[1], *vectors, state, slots, *dims)
-    big = Dims(k_heads=1, k_dim=128, v_heads=1, v_dim=160)  # a head's state past MAX_HEAD_LANES (128 × 256 padded)
-    with pytest.raises(ValueError, match="holds a head's state in registers"):
-        gated_delta_decode(torch.randn(B, big.channels), torch.randn(B, 160), torch.randn(B, 2),
-                           torch.randn(big.channels, 4), torch.zeros(3, big.channels, 3), torch.zeros(1),
-                           torch.zeros(1), torch.ones(160), torch.zeros(3, 1, 128, 160), slots, 1, 128, 1, 160, EPS)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 5])

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ["_gemv_kernel", "_gemv_batch_kernel", "_gemv_batch_pair_kernel", "_dequantize_kernel", "_fp8_gemv_kernel",
            "_add_rms_norm_kernel", "_silu_mul_kernel", "_sigmoid_mul_kernel", "_route_top_k_kernel",
-           "_moe_combine_kernel", "_conv_kernel", "_gated_delta_decode_kernel", "_move_windows_kernel",
+           "_moe_combine_kernel", "_conv_kernel", "_gated_delta_decode_kernel", "_gated_norm_kernel",
            "_qk_norm_rope_kernel", "_write_kv_kernel", "_paged_decode_kernel", "_merge_splits_kernel",
            "_quantize_kernel", "_dense_gemv_kernel"]
 

@@ -39,7 +39,7 @@ from ninfer.kernels.conv1d import causal_conv1d
 from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.fused import add_rms_norm, moe_combine, route_top_k, sigmoid_mul, silu_mul
 from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
-from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, gated_delta_decode, move_conv_windows
+from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, gated_delta_decode
 from ninfer.kernels.l2_prefetch import L2Prefetch, prefetch_to_l2
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
@@ -493,19 +493,13 @@ class FastQwen35:
         self.branches.join()
         self._prefetch([prefix + "output"])
         index = self.cache.gdn_index[layer]
-        conv_input = projected[:, : key_columns + value_rows]
-        o = gated_delta_decode(conv_input, projected[:, key_columns + value_rows :], a_b,
+        o = gated_delta_decode(projected[:, : key_columns + value_rows], projected[:, key_columns + value_rows :], a_b,
                                self.vectors[prefix + "convolution"], self.cache.conv[index],
                                self.vectors[prefix + "a_log"], self.vectors[prefix + "dt_bias"],
                                self.vectors[prefix + "norm"], self.cache.recurrent[index], slots, c.k_heads, c.k_dim,
                                c.v_heads, c.v_dim, c.rms_eps, tokens=tokens, snapshot_slots=snapshots,
-                               quantize=self._quantizes_for(output, projected, self.int8_activations),
-                               defer_windows=True)
-        with self.branches.beside():  # nothing after it in the step reads this layer's windows
-            move_conv_windows(conv_input, self.cache.conv[index], slots, tokens, snapshots)
-        mixed = self._linear(output, o, self.int8_activations)
-        self.branches.join()
-        return mixed
+                               quantize=self._quantizes_for(output, projected, self.int8_activations))
+        return self._linear(output, o, self.int8_activations)
 
     @staticmethod
     def _independent(x: torch.Tensor | Int8Activations, readers: list[PackedLinear]) -> bool:
@@ -520,7 +514,7 @@ class FastQwen35:
         dense a/b (the 27B's 0.5 M bf16 elements) takes the dense GEMV's fixed-order sums on either route, so a
         token's bits never depend on the batch. One row computes it in the delta-rule launch (one launch fewer),
         unless the step runs it in a graph branch of its own (`Branches`), beside the input projections; more rows
-        always take the GEMV, since the kernel's programs would each read the rows again (one per value head)."""
+        always take the GEMV, since the kernel's programs would each read the rows again (one per column tile)."""
         if reader.weight is None or reader.shape[1] > AB_IN_KERNEL_MAX_K or source.shape[0] > MAX_GEMV_TOKENS:
             return reader(source)
         x = (source.source if isinstance(source, Int8Activations) else source).to(reader.weight.dtype)

@@ -2,13 +2,12 @@
 sequence's conv window and recurrent state in a pool slot.
 
 `gated_delta_decode`, the fused few-token form of the torch reference path of `Qwen35Model.gated_deltanet` from the
-input projections on, in one Triton launch (two above FUSED_CONV_SEQUENCES sequences, the conv apart), and the conv
-windows moved on by a second (`move_conv_windows`) when the first made the conv:
+input projections on, in two Triton launches (three above FUSED_CONV_SEQUENCES sequences, the conv apart):
   * the delta rule: `causal_conv1d` of each program's channels from its pooled window, q/k L2 norm, the gates and T
-    steps of the gated delta rule on the sequence's recurrent state (a program holds a whole head's state in
-    registers between tokens and writes it back at the end), and the gated RMSNorm of each output over the head
-    (optionally writing the int8 records of the output projection's input);
-  * the windows shifted past the new inputs, once every delta-rule program has read them.
+    steps of the gated delta rule on the sequence's recurrent state (kept in registers between tokens, written back
+    at the end; programs own column tiles of a head's state);
+  * the gated RMSNorm of each output (optionally writing the int8 records of the output projection's input), and
+    the windows shifted past the new inputs.
 With `snapshot_slots` `[B, T]`, they also write the window and the state after every token t into pool slot
 snapshot_slots[b, t]: a verify step that accepts j of T draft tokens resumes from snapshot j - 1 (the recurrent
 state cannot be cut back).
@@ -37,11 +36,13 @@ if triton is not None:
 
 CONV_BLOCK_C = 256  # channels per program of the conv launch
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
-# warps of a delta-rule program, which holds a whole head's [k_dim, v_dim] fp32 state in registers
-DELTA_WARPS = 8
-# the largest head state (k_dim · v_dim, each rounded up to a power of 2) a program holds: 128 × 128 at 4 warps is
-# 128 fp32 registers a thread
-MAX_HEAD_LANES = 128 * 128
+# state columns per delta-rule program: a [128, 32] fp32 tile, so a 27B step (48 value heads) runs 192 programs
+# rather than 48 holding a whole [128, 128] head each (6.6 µs, 23 % of the read bandwidth on the H200)
+DELTA_BLOCK_V = 32
+# warps of a delta-rule program whose tile has 128 × 32 lanes or more (the state lives in registers): 2 warps took
+# 20.3 µs against 21.2 alone at batch 8 but lost 57 µs a batch-8 step (docs/performance.md, twenty-fifth session)
+DELTA_WARPS = 4
+NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
 # a dense a/b projection up to this K is computed in the delta-rule launch (the head's two rows and the input row
 # in registers beside the state tile)
 AB_IN_KERNEL_MAX_K = 8192
@@ -98,7 +99,7 @@ if triton is not None:
                      stride_w_k, stride_s_slot, stride_s_c, stride_s_k, stride_out, K: tl.constexpr,
                      BLOCK_C: tl.constexpr, T: tl.constexpr, SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
         """The conv of steps above FUSED_CONV_SEQUENCES: BLOCK_C channels of one sequence's T tokens, the window
-        read once and moved through registers, written back (and to the snapshots) as `_move_windows_kernel` does it."""
+        read once and moved through registers, written back (and to the snapshots) as the norm launch does it."""
         wait_for_inputs(PDL)
         sequence = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -116,44 +117,38 @@ if triton is not None:
 
     @triton.jit
     def _gated_delta_decode_kernel(x_ptr, conv_w_ptr, conv_ptr, a_b_ptr, ab_x_ptr, ab_w_ptr, a_log_ptr, dt_bias_ptr,
-                                   state_ptr, slot_ptr, snapshot_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr,
-                                   stride_x, stride_w_c, stride_w_k, stride_c_slot, stride_c_c, stride_c_k,
-                                   stride_a_b, stride_ab_x, stride_ab_w, stride_z, stride_out, stride_s_slot,
-                                   stride_s_head, stride_s_k, stride_s_v, q_scale, eps, record_count, AB_K,
+                                   state_ptr, slot_ptr, snapshot_ptr, o_ptr, stride_x, stride_w_c, stride_w_k,
+                                   stride_c_slot, stride_c_c, stride_c_k, stride_a_b, stride_ab_x, stride_ab_w,
+                                   stride_o, stride_s_slot, stride_s_head, stride_s_k, stride_s_v, q_scale, AB_K,
                                    K_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_HEADS: tl.constexpr,
                                    V_DIM: tl.constexpr, CONV_K: tl.constexpr, BLOCK_K: tl.constexpr,
                                    BLOCK_V: tl.constexpr, L2_EPS: tl.constexpr, SNAPSHOTS: tl.constexpr,
                                    T: tl.constexpr, CONV: tl.constexpr, AB_DOT: tl.constexpr,
-                                   AB_BLOCK: tl.constexpr, EARLY_STATE: tl.constexpr,
-                                   ROUND_NORM_PRODUCT: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr):
+                                   AB_BLOCK: tl.constexpr, EARLY_STATE: tl.constexpr, PDL: tl.constexpr):
         if not EARLY_STATE:
             wait_for_inputs(PDL)
-        # one program: the whole [K_DIM, V_DIM] state of one value head of one sequence, so that the gated norm over
-        # the head's output runs here too
+        # one program: BLOCK_V state columns of one value head of one sequence (the columns evolve independently)
         sequence = tl.program_id(0)
         head = tl.program_id(1)  # value head; it reads key head head // (V_HEADS // K_HEADS)
         key_head = head // (V_HEADS // K_HEADS)
         ks = tl.arange(0, BLOCK_K)
         k_ok = ks < K_DIM
-        vs = tl.arange(0, BLOCK_V)
+        vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = vs < V_DIM
 
         a_log = tl.load(a_log_ptr + head).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
-        norm_weight = tl.load(norm_weight_ptr + vs, mask=v_ok, other=0.0).to(tl.float32)  # no kernel writes it
         slot = tl.load(slot_ptr + sequence).to(tl.int64)
         head_tile = head * stride_s_head + ks[:, None] * stride_s_k + vs[None, :] * stride_s_v
         tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
         S = tl.load(tile, mask=tile_ok, other=0.0)
-        # with CONV the conv of the program's channels — its key head's q and k, its value head — from their windows
-        # (the q / k conv is made by every program that reads the key head; `_move_windows_kernel` moves the windows
-        # on after the launch); else x is the conv's output
+        # with CONV the conv of the program's channels — its key head's q and k, its value columns — from their
+        # windows (the q / k conv is made by every program that reads the key head; the norm launch moves the windows
+        # on); else x is the conv's output
         q_channels = key_head * K_DIM + ks
         k_channels = (K_HEADS + key_head) * K_DIM + ks
         v_channels = 2 * K_HEADS * K_DIM + head * V_DIM + vs
-        if EARLY_STATE:  # the tile streamed in while the kernel before finished (`gated_delta_decode`)
-            wait_for_inputs(PDL)
         if CONV:
             window = conv_ptr + slot * stride_c_slot
             q_past, q_taps = _conv_window(window + q_channels * stride_c_c, conv_w_ptr + q_channels * stride_w_c,
@@ -162,7 +157,9 @@ if triton is not None:
                                           stride_c_k, stride_w_k, k_ok, CONV_K)
             v_past, v_taps = _conv_window(window + v_channels * stride_c_c, conv_w_ptr + v_channels * stride_w_c,
                                           stride_c_k, stride_w_k, v_ok, CONV_K)
-        dtype = out_ptr.dtype.element_ty
+        if EARLY_STATE:  # the tile and windows streamed in while the kernel before finished (`gated_delta_decode`)
+            wait_for_inputs(PDL)
+        dtype = o_ptr.dtype.element_ty
         for t in tl.static_range(T):  # unrolled: a runtime loop carrying S spills more registers
             row = sequence * T + t
             inputs = x_ptr + row * stride_x
@@ -204,44 +201,58 @@ if triton is not None:
             if SNAPSHOTS:
                 snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
                 tl.store(state_ptr + snapshot * stride_s_slot + head_tile, S, mask=tile_ok)
-            # o rounded to the activation dtype, then rms_norm_gated with its casts: x̂ rounded to the activation
-            # dtype, times the weight (rounded when torch would multiply in the activation dtype), times silu(z) in
-            # fp32, rounded once more; squares as `fma(o, o, 0)` so that no variant fuses them into the sum
-            o = tl.sum(q[:, None] * S, 0).to(dtype).to(tl.float32)
-            x_hat = (o * tl.rsqrt(tl.sum(tl.fma(o, o, 0.0), 0) / V_DIM + eps)).to(dtype).to(tl.float32)
-            y = norm_weight * x_hat
-            if ROUND_NORM_PRODUCT:
-                y = y.to(dtype).to(tl.float32)
-            z = tl.load(z_ptr + row * stride_z + head * V_DIM + vs, mask=v_ok, other=0.0).to(tl.float32)
-            y = (y * (z * tl.sigmoid(z))).to(dtype)
-            tl.store(out_ptr + row * stride_out + head * V_DIM + vs, y, mask=v_ok)
-            if QUANTIZE:  # V_DIM a multiple of 32: the head is whole int8 blocks, program_id(1) · V_DIM its first lane
-                store_tile_records(y, records_ptr, row, record_count, BLOCK_V)
+            o = tl.sum(q[:, None] * S, 0)
+            tl.store(o_ptr + row * stride_o + head * V_DIM + vs, o.to(dtype), mask=v_ok)
         tl.store(tile, S, mask=tile_ok)
 
     @triton.jit
-    def _move_windows_kernel(x_ptr, conv_ptr, slot_ptr, snapshot_ptr, stride_x, stride_c_slot, stride_c_c,
-                             stride_c_k, C, CONV_K: tl.constexpr, BLOCK_C: tl.constexpr, T: tl.constexpr,
-                             SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
-        """The conv windows of a step whose delta-rule launch made the conv, moved on once every program of that
-        launch has read them: BLOCK_C channels of one sequence's window shifted past its T new inputs (and written
-        to the snapshots after each)."""
-        sequence = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        ok = cols < C
-        window = conv_ptr + tl.load(slot_ptr + sequence).to(tl.int64) * stride_c_slot + cols * stride_c_c
-        past = _load_window(window, stride_c_k, ok, CONV_K)  # before the wait (`gated_delta_decode`: why)
-        if T == 1:  # one new input: it too streams in while the delta rule runs
-            new_input = tl.load(x_ptr + sequence * stride_x + cols, mask=ok, other=0.0)
+    def _gated_norm_kernel(o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, x_ptr, conv_ptr, slot_ptr,
+                           snapshot_ptr, stride_o, stride_z, stride_out, stride_x, stride_c_slot, stride_c_c,
+                           stride_c_k, eps, record_count, C, V_HEADS: tl.constexpr, V_DIM: tl.constexpr,
+                           HEADS: tl.constexpr, BLOCK_V: tl.constexpr, ROUND_NORM_PRODUCT: tl.constexpr,
+                           QUANTIZE: tl.constexpr, WINDOWS: tl.constexpr, CONV_K: tl.constexpr,
+                           BLOCK_C: tl.constexpr, T: tl.constexpr, SNAPSHOTS: tl.constexpr, PDL: tl.constexpr):
+        vs = tl.arange(0, BLOCK_V)
+        norm_weight = tl.load(norm_weight_ptr + vs, mask=vs < V_DIM, other=0.0)  # no kernel writes it: read early
+        row = tl.program_id(0).to(tl.int64)
+        if WINDOWS:  # the conv windows move on here, once every delta-rule program has read them: the program of a
+            # sequence's last row shifts channels [program_id(1) · BLOCK_C, …) of its window past its T new inputs
+            sequence = row // T
+            cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            window_ok = cols < tl.where(row % T == T - 1, C, 0)  # the other rows' programs skip this part
+            window = conv_ptr + tl.load(slot_ptr + sequence).to(tl.int64) * stride_c_slot + cols * stride_c_c
+            past = _load_window(window, stride_c_k, window_ok, CONV_K)  # before the wait (`gated_delta_decode`: why)
+            if T == 1:  # one new input: it too streams in while the delta rule runs
+                new_input = tl.load(x_ptr + row * stride_x + cols, mask=window_ok, other=0.0)
         wait_for_inputs(PDL)
-        for t in tl.static_range(T):
-            if T > 1:
-                new_input = tl.load(x_ptr + (sequence * T + t) * stride_x + cols, mask=ok, other=0.0)
-            past = past[1:] + (new_input,)  # noqa: RUF005 (shift left: the new input is the newest column)
-            if SNAPSHOTS:
-                snapshot = tl.load(snapshot_ptr + sequence * T + t).to(tl.int64)
-                _store_window(conv_ptr + snapshot * stride_c_slot + cols * stride_c_c, past, stride_c_k, ok, CONV_K)
-        _store_window(window, past, stride_c_k, ok, CONV_K)
+        if WINDOWS:
+            for t in tl.static_range(T):
+                if T > 1:
+                    new_input = tl.load(x_ptr + (sequence * T + t) * stride_x + cols, mask=window_ok, other=0.0)
+                past = past[1:] + (new_input,)  # noqa: RUF005 (shift left: the new input is the newest column)
+                if SNAPSHOTS:
+                    snapshot = tl.load(snapshot_ptr + sequence * T + t).to(tl.int64)
+                    _store_window(conv_ptr + snapshot * stride_c_slot + cols * stride_c_c, past, stride_c_k,
+                                  window_ok, CONV_K)
+            _store_window(window, past, stride_c_k, window_ok, CONV_K)
+        # HEADS value heads of one row: rms_norm_gated per head, and with QUANTIZE (V_DIM a multiple of 32, so a
+        # head is whole int8 blocks) the output's records
+        heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+        ok = (heads < V_HEADS)[:, None] & (vs < V_DIM)[None, :]
+        lanes = heads[:, None] * V_DIM + vs[None, :]
+        o = tl.load(o_ptr + row * stride_o + lanes, mask=ok, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        # rms_norm_gated with its casts: x̂ rounded to the activation dtype, times the weight (rounded when torch
+        # would multiply in the activation dtype), times silu(z) in fp32, rounded once more
+        x_hat = (o * tl.rsqrt(tl.sum(o * o, 1) / V_DIM + eps)[:, None]).to(dtype).to(tl.float32)
+        y = norm_weight.to(tl.float32)[None, :] * x_hat
+        if ROUND_NORM_PRODUCT:
+            y = y.to(dtype).to(tl.float32)
+        z = tl.load(z_ptr + row * stride_z + lanes, mask=ok, other=0.0).to(tl.float32)
+        y = (y * (z * tl.sigmoid(z))).to(dtype)
+        tl.store(out_ptr + row * stride_out + lanes, y, mask=ok)
+        if QUANTIZE:
+            store_tile_records(y, records_ptr, row, record_count, HEADS * BLOCK_V)
 
 
 def _require_triton(name: str) -> None:
@@ -273,8 +284,7 @@ def _check_snapshots(name: str, snapshots: Tensor | None, sequences: int, tokens
 def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor], conv_weight: Tensor,
                        conv_state: Tensor, a_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, state: Tensor,
                        slots: Tensor, k_heads: int, k_dim: int, v_heads: int, v_dim: int, eps: float, tokens: int = 1,
-                       snapshot_slots: Tensor | None = None, quantize: bool = False,
-                       defer_windows: bool = False) -> Tensor | Int8Activations:
+                       snapshot_slots: Tensor | None = None, quantize: bool = False) -> Tensor | Int8Activations:
     """`tokens` Gated DeltaNet tokens per sequence from the input projections: the causal conv on the pooled windows,
     gates, delta-rule steps on the pooled state, gated norm. Rows b·T … b·T + T − 1 are sequence b's tokens in
     order; each row is one step below.
@@ -301,28 +311,26 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
     `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots `[B]` int32/int64; slots and snapshot slots all
     distinct, in [0, S) of both pools (not checked: no host sync); v_heads a multiple of k_heads. All on one
     device. Returns out `[B·T, v_heads·v_dim]` in x's dtype; with `quantize`, as `Int8Activations` (the output
-    projection's input: its records made by the delta-rule launch when v_dim is a multiple of 32, else by the
-    quantizer).
+    projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the quantizer).
 
-    Up to FUSED_CONV_SEQUENCES sequences, the delta rule over (sequence, value head) makes the conv of the channels
-    it reads from their windows (a key head's q / k conv in each program that reads it), the delta-rule steps on the
-    head's whole [k_dim, v_dim] state and the gated norm over the head's output, and writes the int8 records. It does
-    not write the windows, since other programs still read them: `move_conv_windows` does, in a launch after it —
-    made here, or with `defer_windows` left to the caller, who may run it beside the rest of the step (the runner
-    puts it in a graph branch, off the step's critical path). More sequences take the conv in a launch of its own
-    before (which moves the windows on), then the delta rule on its output. The products are the same in both
-    (written out as FMAs), so a token's bits do not depend on the route; nor on B or T, since each program's tile
-    is the same. k_dim · v_dim (rounded up to powers of 2) is at most MAX_HEAD_LANES.
+    Up to FUSED_CONV_SEQUENCES sequences, two launches. The delta rule over (sequence, value head, DELTA_BLOCK_V
+    state columns) — a column of S evolves on its own, so a head's [k_dim, v_dim] state splits into independent
+    column tiles — makes the conv of the channels it reads from their windows (a key head's q / k conv in each
+    program that reads it) and writes o; it does not write the windows, since other programs still read them. The
+    gated norm over whole heads (it needs all of a head's o) writes the int8 records and moves the windows on, once
+    every delta-rule program is done. More sequences take three: the conv in a launch of its own (which moves the
+    windows on), then the delta rule on its output, then the norm. The products are the same in both (written out
+    as FMAs), so a token's bits do not depend on the route.
 
     Under PDL the launches read before they wait for the kernel before them (`kernels.dependent_launch`'s rule):
-    the delta rule `slots`, the norm weight and, for up to EARLY_STATE_SEQUENCES sequences, its state tiles, windows
-    and conv weights; the window move the windows and, at T = 1, the new inputs x. The pools are written only by
-    this function's launches and `move_conv_windows` (the state by the delta rule; the windows by the window move
-    or the conv launch, never right before a launch that reads them: the delta rule or a GEMV follows the window
-    move, the delta rule the conv) and by kernels without PDL (prefill, state copies); x comes from the kernel
-    before this function; `slots` comes from the host or from earlier kernels. So a caller must not write x, the
-    pools or `slots` with a PDL kernel launched right before this function (the runner's is the input projections'
-    GEMV, which writes x).
+    the delta rule `slots` and, for up to EARLY_STATE_SEQUENCES sequences, its state tiles, windows and conv
+    weights; the norm the windows and, at T = 1, the new inputs x. The pools are written only by this function's
+    launches (the state by the delta rule, which the norm always follows; the windows by the norm or the conv
+    launch, never right before a launch that reads them: a GEMV follows the norm in the runner, the delta rule the
+    conv) and by kernels without PDL (prefill, state copies); x comes from the kernel before this function, two
+    launches before the norm; `slots` comes from the host or from earlier kernels. So a caller must not write x,
+    the pools or `slots` with a PDL kernel launched right before this function (the runner's is the input
+    projections' GEMV, which writes x).
     """
     _require_triton("gated_delta_decode")
     name = "gated_delta_decode"
@@ -368,10 +376,6 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
         raise ValueError(f"{name}: all tensors must be on {x.device}, got {[str(t.device) for t in tensors]}")
     _check_slots(name, slots, B, x.device)
     _check_snapshots(name, snapshot_slots, B, tokens, x.device)
-    block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
-    if block_k * block_v > MAX_HEAD_LANES:
-        raise ValueError(f"{name}: a program holds a head's state in registers, at most {MAX_HEAD_LANES} lanes "
-                         f"(k_dim, v_dim rounded up to powers of 2), got {block_k} × {block_v}")
     width = v_heads * v_dim
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if B == 0:
@@ -384,42 +388,34 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
             x, conv_weight, conv_state, slots, snapshots, mixed, C, x.stride(0), conv_weight.stride(0),
             conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), mixed.stride(0),
             K=K, BLOCK_C=CONV_BLOCK_C, T=tokens, SNAPSHOTS=snapshot_slots is not None, **launch_options(x.device))
+    block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
+    delta_block_v = min(block_v, DELTA_BLOCK_V)
+    o = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    source = x if fused else mixed
+    _gated_delta_decode_kernel[(B, v_heads, triton.cdiv(v_dim, delta_block_v))](
+        source, conv_weight, conv_state, a_b, ab_x, ab_w, a_log, dt_bias, state, slots, snapshots, o,
+        source.stride(0), conv_weight.stride(0), conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1),
+        conv_state.stride(2), a_b.stride(0), ab_x.stride(0), ab_w.stride(0), o.stride(0), state.stride(0),
+        state.stride(1), state.stride(2), state.stride(3), k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim,
+        V_HEADS=v_heads, V_DIM=v_dim, CONV_K=K, BLOCK_K=block_k, BLOCK_V=delta_block_v, L2_EPS=L2_EPS,
+        SNAPSHOTS=snapshot_slots is not None, T=tokens, CONV=fused, AB_DOT=ab_dot,
+        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, EARLY_STATE=B <= EARLY_STATE_SEQUENCES,
+        num_warps=DELTA_WARPS if block_k * delta_block_v >= 128 * 32 else 2,
+        **launch_options(x.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
     round_norm_product = torch.promote_types(norm_weight.dtype, x.dtype) == x.dtype
     records_here = quantize and v_dim % 32 == 0 and block_v == v_dim
     records = empty_records(rows, width, x.device) if records_here else out
-    if records_here and records.shape[1] * 32 > width:  # blocks past the heads: zero records (no preset has them)
-        records[:, width // 32 :].zero_()
-    source = x if fused else mixed
-    _gated_delta_decode_kernel[(B, v_heads)](
-        source, conv_weight, conv_state, a_b, ab_x, ab_w, a_log, dt_bias, state, slots, snapshots, z, norm_weight,
-        out, records, source.stride(0), conv_weight.stride(0), conv_weight.stride(1), conv_state.stride(0),
-        conv_state.stride(1), conv_state.stride(2), a_b.stride(0), ab_x.stride(0), ab_w.stride(0), z.stride(0),
-        out.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3), k_dim**-0.5, eps,
-        records.shape[1] if records_here else 0, hidden, K_HEADS=k_heads, K_DIM=k_dim, V_HEADS=v_heads, V_DIM=v_dim,
-        CONV_K=K, BLOCK_K=block_k, BLOCK_V=block_v, L2_EPS=L2_EPS, SNAPSHOTS=snapshot_slots is not None, T=tokens,
-        CONV=fused, AB_DOT=ab_dot, AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1,
-        EARLY_STATE=B <= EARLY_STATE_SEQUENCES, ROUND_NORM_PRODUCT=round_norm_product, QUANTIZE=records_here,
-        num_warps=DELTA_WARPS if block_k * block_v >= 128 * 32 else 2, **launch_options(x.device))
-    if fused and not defer_windows:
-        move_conv_windows(x, conv_state, slots, tokens, snapshot_slots)
+    record_count = records.shape[1] if records_here else 0
+    heads = min(NORM_HEADS, triton.next_power_of_2(v_heads))
+    lanes = record_count * 32 if records_here else width  # padding blocks past the heads get zero records
+    programs = triton.cdiv(lanes, heads * v_dim)
+    _gated_norm_kernel[(rows, programs)](
+        o, z, norm_weight, out, records, x, conv_state, slots, snapshots, o.stride(0), z.stride(0), out.stride(0),
+        x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), eps, record_count, C,
+        V_HEADS=v_heads, V_DIM=v_dim, HEADS=heads, BLOCK_V=block_v, ROUND_NORM_PRODUCT=round_norm_product,
+        QUANTIZE=records_here, WINDOWS=fused, CONV_K=K, BLOCK_C=triton.next_power_of_2(triton.cdiv(C, programs)),
+        T=tokens, SNAPSHOTS=snapshot_slots is not None, num_warps=4, **launch_options(x.device))
     if not quantize:
         return out
     return Int8Activations(out, records) if records_here else quantize_activations(out)
-
-
-def move_conv_windows(x: Tensor, conv_state: Tensor, slots: Tensor, tokens: int = 1,
-                      snapshot_slots: Tensor | None = None) -> None:
-    """The conv windows of a `gated_delta_decode(..., defer_windows=True)` call with the same arguments, moved on
-    past its new inputs x (and written to the snapshots after each token); nothing when that call's conv launch
-    already moved them (more than FUSED_CONV_SEQUENCES sequences). One launch, which reads the windows and, at
-    T = 1, x before its PDL wait: the kernel launched right before it must write neither (the delta-rule launch
-    writes neither)."""
-    rows, C = x.shape
-    B = rows // tokens
-    if B == 0 or B > FUSED_CONV_SEQUENCES:
-        return
-    _move_windows_kernel[(B, triton.cdiv(C, CONV_BLOCK_C))](
-        x, conv_state, slots, snapshot_slots if snapshot_slots is not None else slots, x.stride(0),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), C, CONV_K=conv_state.shape[2] + 1,
-        BLOCK_C=CONV_BLOCK_C, T=tokens, SNAPSHOTS=snapshot_slots is not None, **launch_options(x.device))
