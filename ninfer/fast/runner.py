@@ -258,7 +258,9 @@ class FastQwen35:
         # no host sync in a step: slots and lengths travel from pinned memory without blocking (the caching host
         # allocator keeps the buffer until its copy has run), and ids already on the device (the last step's
         # sampled tokens) are copied there in stream order, so the host can queue the next step at once
-        host = torch.zeros((3, bucket), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        # every column of the inputs, so that the copy is one contiguous transfer (a bucket's columns are strided,
+        # and a copy into them takes a kernel after the transfer); the columns past the bucket are padding rows
+        host = torch.zeros((3, self.max_batch), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         ids = ids.view(-1)
         if ids.numel() != batch:
             raise ValueError(f"{ids.numel()} ids for {batch} sequences")
@@ -269,7 +271,7 @@ class FastQwen35:
         host[1, :batch] = torch.tensor([s.slot for s in states], dtype=torch.int32)
         host[2, :] = 1
         host[2, :batch] = torch.tensor([s.length + 1 for s in states], dtype=torch.int32)
-        self.inputs[:, :bucket].copy_(host, non_blocking=True)
+        self.inputs.copy_(host, non_blocking=True)
         if on_device:
             self.inputs[0, :batch].copy_(ids)
         if self.use_graphs:
