@@ -106,12 +106,6 @@ def _record_all() -> None:
         quant_linear.quant_linear_gemv_pair(
             acts, *((codec_for(fmt).encode(torch.randn(64, 2048)), (64, 2048), fmt, None)
                     for fmt in ("q4_g64_fp16", "q5_g64_fp16")))
-    acts = activation_quant.quantize_activations(torch.randn(8, 5120))  # with the GDN a/b beside (8 rows)
-    quant_linear.quant_linear_gemv_pair(
-        acts, *((codec_for(fmt).encode(torch.randn(64, 5120)), (64, 5120), fmt, None)
-                for fmt in ("q4_g64_fp16", "q5_g64_fp16")),
-        dense=(torch.randn(8, 5120, dtype=torch.bfloat16), torch.randn(96, 5120, dtype=torch.bfloat16),
-               torch.empty(8, 96, dtype=torch.bfloat16)))
     data = codec_for("q5_g64_fp16").encode(torch.randn(4 * 64, 512))
     quant_linear.quant_linear_gemv(x, data, (256, 512), "q5_g64_fp16", experts=torch.tensor([1, 3], dtype=torch.int32),
                                    expert_rows=64, x_per_slot=2, out_dtype=torch.bfloat16)

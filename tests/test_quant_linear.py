@@ -19,7 +19,6 @@ from ninfer.kernels.activation_quant import (
     quantize_activations,
     quantize_activations_reference,
 )
-from ninfer.kernels.dense_linear import dense_linear_gemv
 from ninfer.kernels.quant_linear import (
     dequantize,
     group_pairs,
@@ -220,32 +219,6 @@ def test_a_gemv_pair_gives_each_product_the_bits_of_its_own_launch(formats, toke
         short = _matrix("q4_g64_fp16", 8, 640, 3)[0]
         acts_640 = quantize_activations(torch.randn(1, 640, generator=generator).to(DEVICE))
         quant_linear_gemv_pair(acts_640, (short, (8, 640), "q4_g64_fp16", None), (short, (8, 640), "q4_g64_fp16", None))
-
-
-@pytest.mark.parametrize(("tokens", "k", "dense_k"), [(2, 2048, 40), (8, 2048, 1300), (3, 1024, 2048)])
-def test_a_dense_product_beside_a_gemv_pair_has_the_dense_gemvs_bits(tokens, k, dense_k):
-    """The GDN a/b projection in the launch of q|k and v|z (steps of several rows): the dense product gives the bits
-    of `dense_linear_gemv(pairwise=True)` — the same token's a/b in a one-row step, whichever kernel makes it — at K
-    of one chunk (40 lanes), several (1,300: chunks of 1,024 over a 2,048-lane tree) and exactly two; the pair's
-    results stay the bits of their own launch."""
-    formats, shapes = ("q4_g64_fp16", "q5_g64_fp16"), [(40, k), (72, k)]
-    matrices = [_matrix(fmt, n, k, 23 + i)[0] for i, (fmt, (n, _)) in enumerate(zip(formats, shapes, strict=True))]
-    generator = torch.Generator().manual_seed(dense_k)
-    x = torch.randn(tokens, k, generator=generator).to(DEVICE)
-    acts = quantize_activations(x)
-    dense_x = torch.randn(tokens, dense_k + 3, generator=generator).to(DEVICE)[:, 3:]  # a row view
-    weight = (torch.randn(12, dense_k, generator=generator) * dense_k**-0.5).to(DEVICE)
-    out = torch.full((tokens, 12), -7.0, device=DEVICE)
-    expected = [quant_linear_gemv(acts, data, shape, fmt, out_dtype=torch.float32)
-                for data, shape, fmt in zip(matrices, shapes, formats, strict=True)]
-    first, second, dense = quant_linear_gemv_pair(acts, *((data, shape, fmt, None) for data, shape, fmt in
-                                                          zip(matrices, shapes, formats, strict=True)),
-                                                  dense=(dense_x, weight, out))
-    assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
-    assert dense is out and torch.equal(out, dense_linear_gemv(dense_x, weight, pairwise=True))
-    with pytest.raises(ValueError, match="dense product beside a GEMV pair"):
-        quant_linear_gemv_pair(acts, *((data, shape, fmt, None) for data, shape, fmt in
-                                       zip(matrices, shapes, formats, strict=True)), dense=(dense_x, weight, out[:1]))
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q8_g32_fp16"])

@@ -69,16 +69,13 @@ def shares_launch(x: torch.Tensor | Int8Activations, first: PackedLinear, second
 
 
 def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
-            outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None,
-            dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+            outs: list[torch.Tensor | None] | None = None, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """x through each of `readers` (into `outs[i]` where given, as `PackedLinear.__call__`). In a step of up to
     PAIRED_GEMV_TOKENS tokens, consecutive readers that both take the integer GEMV's batch route share one launch
     (`quant_linear_gemv_pair`): neither waits for the other to finish, and the results have the bits of separate
     calls. As two launches in two graph branches, the smaller product (q|k) queued behind the larger one's programs
     and ended after it (27B, 8 tokens); the pair's kernel holds the registers of the larger of its two (v|z at 8
-    tokens: 242 alone, 244 paired), which costs q|k less than that wait (docs/performance.md). `dense` (x_dense,
-    W, out): a small dense product of the same rows made in the first pair's launch (`quant_linear_gemv_pair`;
-    the caller checks with `shares_launch` that the first two readers share one)."""
+    tokens: 242 alone, 244 paired), which costs q|k less than that wait (docs/performance.md)."""
     outs = outs or [None] * len(readers)
     results: list[torch.Tensor] = []
     i = 0
@@ -89,14 +86,11 @@ def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
                        torch.empty((x.shape[0], r.shape[0]), dtype=out_dtype or x.source.dtype, device=x.blocks.device)
                        for r, out in zip(pair, outs[i : i + 2], strict=True)]
             results += quant_linear_gemv_pair(x, *((r.data, r.shape, r.format, t)
-                                                   for r, t in zip(pair, targets, strict=True)), dense=dense)[:2]
-            dense = None
+                                                   for r, t in zip(pair, targets, strict=True)))
             i += 2
         else:
             results.append(readers[i](x, out_dtype=out_dtype, out=outs[i]))
             i += 1
-    if dense is not None:
-        raise ValueError("project: a dense product goes in a GEMV pair's launch, and no two readers shared one")
     return results
 
 

@@ -43,7 +43,7 @@ from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, gated_delta_decode
 from ninfer.kernels.l2_prefetch import L2Prefetch, prefetch_to_l2
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
-from ninfer.kernels.quant_linear import DENSE_MAX_K, INTERPRETED, MAX_GEMV_TOKENS, group_pairs
+from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs
 from ninfer.kernels.rope import rope_inv_freq
 from ninfer.model.config import FULL_ATTENTION, TextConfig
 
@@ -478,26 +478,21 @@ class FastQwen35:
         c = self.config
         prefix = f"layers/{layer}/gdn/"
         value_rows = c.v_heads * c.v_dim
-        query_key, value_z, ab_reader = (self.linears[prefix + n] for n in GDN_PROJECTIONS)
+        query_key, value_z, a_b = (self.linears[prefix + n] for n in GDN_PROJECTIONS)
         output = self.linears[prefix + "output"]
         key_columns = query_key.shape[0]
         # q | k and v | z side by side in one buffer: the conv reads q | k | v as one row view
         projected = torch.empty((h.shape[0], key_columns + value_z.shape[0]), dtype=self.dtype, device=self.device)
-        source = self._input(h, [query_key, value_z, ab_reader], self.int8_activations)
+        source = self._input(h, [query_key, value_z, a_b], self.int8_activations)
         outs = [projected[:, :key_columns], projected[:, key_columns:]]
         one_launch = shares_launch(source, query_key, value_z)
-        if one_launch and self._a_b_in_pair(source, ab_reader):
-            x = source.source.to(ab_reader.weight.dtype)
-            a_b = torch.empty((x.shape[0], ab_reader.shape[0]), dtype=self.dtype, device=self.device)
-            project(source, [query_key, value_z], outs, dense=(x, ab_reader.weight, a_b))
-        else:
-            # the a/b projection, and q|k when it has a launch of its own, beside v|z
-            with self.branches.beside(self._independent(source, [query_key, value_z, ab_reader])):
-                if not one_launch:
-                    project(source, [query_key], outs[:1])
-                a_b = self._gdn_a_b(source, ab_reader)
-            project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
-            self.branches.join()
+        # the a/b projection, and q|k when it has a launch of its own, beside v|z
+        with self.branches.beside(self._independent(source, [query_key, value_z, a_b])):
+            if not one_launch:
+                project(source, [query_key], outs[:1])
+            a_b = self._gdn_a_b(source, a_b)
+        project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
+        self.branches.join()
         self._prefetch([prefix + "output"])
         index = self.cache.gdn_index[layer]
         o = gated_delta_decode(projected[:, : key_columns + value_rows], projected[:, key_columns + value_rows :], a_b,
@@ -515,23 +510,13 @@ class FastQwen35:
         steps with exact activations)."""
         return not any(reader.route(x) == "scratch" for reader in readers)
 
-    @staticmethod
-    def _a_b_in_pair(source: torch.Tensor | Int8Activations, reader: PackedLinear) -> bool:
-        """Whether a step's GDN a/b projection is made in the launch of its q|k and v|z (the caller checks that
-        those share one): a dense a/b (K ≤ DENSE_MAX_K) of more than one row, by programs scheduled ahead of the
-        pair's, with the bits of `dense_linear_gemv(pairwise=True)` (`quant_linear_gemv_pair`). In a graph branch of
-        its own beside the pair, its programs queued behind the pair's and ended about 2 µs after them at 8 rows
-        (27B, H200; docs/performance.md). One row keeps the branch (or the delta-rule launch): hidden there."""
-        return reader.weight is not None and reader.shape[1] <= DENSE_MAX_K and source.shape[0] > 1
-
     def _gdn_a_b(self, source: torch.Tensor | Int8Activations,
                  reader: PackedLinear) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The GDN a/b projection of a step's rows, or the pair (x, W) for the delta-rule kernel to compute it. A
         dense a/b (the 27B's 0.5 M bf16 elements) takes the dense GEMV's fixed-order sums on either route, so a
         token's bits never depend on the batch. One row computes it in the delta-rule launch (one launch fewer),
         unless the step runs it in a graph branch of its own (`Branches`), beside the input projections; more rows
-        take the GEMV (when not in the input projections' launch: `_a_b_in_pair`), since the delta-rule kernel's
-        programs would each read the rows again (one per column tile)."""
+        always take the GEMV, since the kernel's programs would each read the rows again (one per column tile)."""
         if reader.weight is None or reader.shape[1] > AB_IN_KERNEL_MAX_K or source.shape[0] > MAX_GEMV_TOKENS:
             return reader(source)
         x = (source.source if isinstance(source, Int8Activations) else source).to(reader.weight.dtype)

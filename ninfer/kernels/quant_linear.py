@@ -62,10 +62,6 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 # unpacked once for all its tokens and an x record once for all its rows (tuned on the H200: docs/performance.md)
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
-# a dense product beside a GEMV pair (`quant_linear_gemv_pair`): lanes of K per step of its one-warp programs (32
-# fp32 products a thread) and the widest K it takes (its pairwise tree spans the padded K)
-DENSE_CHUNK = 1024
-DENSE_MAX_K = 8192
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
@@ -82,8 +78,6 @@ def quant_linear_reference(x: torch.Tensor, data: torch.Tensor, shape: tuple[int
 
 
 if triton is not None:
-    from ninfer.kernels.fixed_order import pairwise_dot
-
     # The axis of the batch route's 4-D tensors that holds the 32-lane blocks (tokens and rows follow in that order,
     # the 4 words of a block's units last): it must come first among the dimensions that Triton's load coalescing
     # orders by contiguity, where every one but the words ties. Triton up to 3.6 breaks the tie first dimension
@@ -430,49 +424,16 @@ if triton is not None:
                                 stride_out, bias,
                                 base2_ptr, high2_ptr, scale2_ptr, out2_ptr, N2, k_pad2, row_words2, high_row_words2,
                                 gpr2, stride_out2, bias2,
-                                dense_rows, dense_x_ptr, dense_w_ptr, dense_out_ptr, dense_k, stride_dense_x,
-                                stride_dense_w, stride_dense_out,
                                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
                                 UNROLL: tl.constexpr, CHAIN: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
                                 BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr,
                                 CHAIN2: tl.constexpr, LANE_TREE: tl.constexpr, LANE_TREE2: tl.constexpr,
-                                BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, DENSE: tl.constexpr,
-                                DENSE_WIDTH: tl.constexpr, DENSE_CHUNK: tl.constexpr, ASM: tl.constexpr,
-                                PDL: tl.constexpr):
+                                BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The batch route for two matrices that read the same x, in one launch: the first `programs` programs are
         the first matrix's, the rest the second's, each exactly a program of `_gemv_batch_kernel` (the same bits).
         Neither product waits for the other: as two launches, the second could start only after the first had
-        finished (PDL orders every kernel after all earlier ones), and the smaller one's last wave ran alone.
-        With DENSE, `dense_rows` programs ahead of them make a small dense product of the same rows of input,
-        one row of W each for all T tokens (`_dense_row`)."""
+        finished (PDL orders every kernel after all earlier ones), and the smaller one's last wave ran alone."""
         program = tl.program_id(0)
-        if DENSE:
-            if program < dense_rows:
-                _dense_row(program, T, dense_x_ptr, dense_w_ptr, dense_out_ptr, dense_k, stride_dense_x,
-                           stride_dense_w, stride_dense_out, DENSE_WIDTH, DENSE_CHUNK, PDL)
-            else:
-                _pair_program(program - dense_rows, x_blocks_ptr, T, x_block_count, programs, base_ptr, high_ptr,
-                              scale_ptr, out_ptr, N, k_pad, row_words, high_row_words, gpr, stride_out, bias,
-                              base2_ptr, high2_ptr, scale2_ptr, out2_ptr, N2, k_pad2, row_words2, high_row_words2,
-                              gpr2, stride_out2, bias2, BITS, GROUP, BLOCK_N, DEPTH, UNROLL, CHAIN, BITS2, GROUP2,
-                              BLOCK_N2, DEPTH2, UNROLL2, CHAIN2, LANE_TREE, LANE_TREE2, BLOCK_K, BLOCK_T, ASM, PDL)
-        else:
-            _pair_program(program, x_blocks_ptr, T, x_block_count, programs, base_ptr, high_ptr, scale_ptr, out_ptr,
-                          N, k_pad, row_words, high_row_words, gpr, stride_out, bias, base2_ptr, high2_ptr,
-                          scale2_ptr, out2_ptr, N2, k_pad2, row_words2, high_row_words2, gpr2, stride_out2, bias2,
-                          BITS, GROUP, BLOCK_N, DEPTH, UNROLL, CHAIN, BITS2, GROUP2, BLOCK_N2, DEPTH2, UNROLL2,
-                          CHAIN2, LANE_TREE, LANE_TREE2, BLOCK_K, BLOCK_T, ASM, PDL)
-
-    @triton.jit
-    def _pair_program(program, x_blocks_ptr, T, x_block_count, programs, base_ptr, high_ptr, scale_ptr, out_ptr, N,
-                      k_pad, row_words, high_row_words, gpr, stride_out, bias, base2_ptr, high2_ptr, scale2_ptr,
-                      out2_ptr, N2, k_pad2, row_words2, high_row_words2, gpr2, stride_out2, bias2,
-                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DEPTH: tl.constexpr,
-                      UNROLL: tl.constexpr, CHAIN: tl.constexpr, BITS2: tl.constexpr, GROUP2: tl.constexpr,
-                      BLOCK_N2: tl.constexpr, DEPTH2: tl.constexpr, UNROLL2: tl.constexpr, CHAIN2: tl.constexpr,
-                      LANE_TREE: tl.constexpr, LANE_TREE2: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
-        """Program `program` of a GEMV pair: of the first matrix below `programs`, else of the second."""
         if program < programs:
             _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
                            high_row_words, gpr, x_block_count, stride_out, bias, BITS, GROUP, BLOCK_N, BLOCK_K,
@@ -481,17 +442,6 @@ if triton is not None:
             _batch_program(program - programs, x_blocks_ptr, base2_ptr, high2_ptr, scale2_ptr, out2_ptr, T, N2,
                            k_pad2, row_words2, high_row_words2, gpr2, x_block_count, stride_out2, bias2, BITS2,
                            GROUP2, BLOCK_N2, BLOCK_K, BLOCK_T, DEPTH2, UNROLL2, CHAIN2, LANE_TREE2, ASM, PDL)
-
-    @triton.jit
-    def _dense_row(row, T, x_ptr, w_ptr, out_ptr, K, stride_x, stride_w, stride_out, WIDTH: tl.constexpr,
-                   CHUNK: tl.constexpr, PDL: tl.constexpr):
-        """Row `row` of a dense product y = x · Wᵀ for T tokens, one warp: each token's sum by `pairwise_dot`
-        over WIDTH lanes, CHUNK at a time — the bits of `dense_linear_gemv(pairwise=True)`."""
-        wait_for_inputs(PDL)
-        w_row = w_ptr + row.to(tl.int64) * stride_w
-        for t in range(T):
-            total = pairwise_dot(w_row, x_ptr + t * stride_x, K, WIDTH, CHUNK)
-            tl.store(out_ptr + t * stride_out + row, total)
 
     @triton.jit
     def _batch_program(program, x_blocks_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, T, N, k_pad, row_words,
@@ -792,45 +742,24 @@ def quant_linear_gemv(x: torch.Tensor | Int8Activations, data: torch.Tensor, sha
     return out
 
 
-def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple,
-                           dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple:
+def quant_linear_gemv_pair(x: Int8Activations, first: tuple, second: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """Two integer GEMVs of the same input in one launch (`_gemv_batch_pair_kernel`): `first` and `second` are
     (data, shape, fmt, out) with `out` a `[T, N]` view with unit column stride (or None: fp32 results). Both
     matrices must take the batch route (`gemv_route`); each result has the bits `quant_linear_gemv` gives it
-    alone. Returns both results.
-
-    With `dense` = (x_dense `[T, K]`, W `[N, K]`, out `[T, N]`; unit column strides, K ≤ DENSE_MAX_K, x_dense and W
-    of one float dtype), programs scheduled ahead of the pair's also write out = x_dense · Wᵀ with the bits of
-    `dense_linear_gemv(x_dense, W, pairwise=True)` (x_dense is the same rows of input as x, unquantized: the GDN
-    a/b projection beside q|k and v|z, one launch instead of a second graph branch)."""
+    alone. Returns both results."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs the triton package")
     products = [_Product(x, data, shape, fmt, out, None, None, 0) for data, shape, fmt, out in (first, second)]
     if any(gemv_route(p.k_pad) != "batch" for p in products):
         raise ValueError("a GEMV pair takes two matrices of the batch route (padded K a multiple of "
                          f"{BATCH_BLOCK_K}), not K = {[p.k_pad for p in products]}")
-    tokens = products[0].tokens
-    if dense is None:
-        dense_args, dense_rows, width = (0, x.blocks, x.blocks, x.blocks, 0, 0, 0, 0), 0, 1  # not read
-    else:
-        dense_x, weight, dense_out = dense
-        rows, k = weight.shape
-        if dense_x.shape != (tokens, k) or dense_out.shape != (tokens, rows) or k > DENSE_MAX_K or \
-                dense_x.dtype != weight.dtype or any(t.stride(-1) != 1 for t in dense):
-            raise ValueError(f"the dense product beside a GEMV pair takes x [{tokens}, K], W [N, K] and out "
-                             f"[{tokens}, N] (K ≤ {DENSE_MAX_K}, x and W of one dtype, unit column strides), got "
-                             f"{list(dense_x.shape)} {dense_x.dtype}, {list(weight.shape)} {weight.dtype}, "
-                             f"{list(dense_out.shape)}")
-        dense_args = (rows, dense_x, weight, dense_out, k, dense_x.stride(0), weight.stride(0), dense_out.stride(0))
-        dense_rows, width = rows, triton.next_power_of_2(k)
     block_t = min(p.block_t for p in products)  # one token tile for the launch (it never changes a bit)
     (programs, args, constants), (programs2, args2, constants2) = (p.batch(block_t=block_t) for p in products)
-    _gemv_batch_pair_kernel[(dense_rows + programs + programs2,)](
-        x.blocks, tokens, x.blocks.shape[1], programs, *args, *args2, *dense_args, **constants,
+    _gemv_batch_pair_kernel[(programs + programs2,)](
+        x.blocks, products[0].tokens, x.blocks.shape[1], programs, *args, *args2, **constants,
         **{name + "2": value for name, value in constants2.items()}, BLOCK_K=BATCH_BLOCK_K,
-        BLOCK_T=block_t, DENSE=dense is not None, DENSE_WIDTH=width, DENSE_CHUNK=min(width, DENSE_CHUNK), ASM=ASM,
-        num_warps=1, **launch_options(x.blocks.device))
-    return (products[0].out, products[1].out) + (() if dense is None else (dense[2],))
+        BLOCK_T=block_t, ASM=ASM, num_warps=1, **launch_options(x.blocks.device))
+    return products[0].out, products[1].out
 
 
 def _lane_tree_sums() -> bool:
