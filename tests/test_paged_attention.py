@@ -214,6 +214,27 @@ def test_decode_equals_the_reference(case, kv_dtype):
     assert error < DECODE_TOLERANCE, f"{case} {kv_dtype}: relative error {error:.2e}"
 
 
+def test_splits_past_a_sequence_leave_no_output_the_merge_reads(monkeypatch):
+    """A short sequence leaves its later splits empty: they write only their max and sum, and the merge reads no
+    output of theirs. Every fp32 buffer the call allocates starts as NaN here, so an empty split's unwritten
+    output would show; the result must keep the bits of the call on fresh buffers."""
+    q, _, _, cache, table, lengths = decode_inputs("gqa2 page16 two splits", torch.float32, seed=5)
+    assert decode_split_plan(2, 64, torch.device(DEVICE)) > 1 and int(lengths.min()) <= 32  # an empty split
+    cache = [None if t is None else t.to(DEVICE) for t in cache]
+    q, table, lengths = q.to(DEVICE), table.to(DEVICE), lengths.to(DEVICE)
+    expected = paged_attention_decode(q, *cache, table, lengths, 0.125)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = paged_attention_decode(q, *cache, table, lengths, 0.125)
+    monkeypatch.undo()
+    assert got.isfinite().all() and torch.equal(got, expected)
+
+
 def test_decode_gives_a_sequence_the_same_bits_in_any_batch():
     """Speculative verify (many rows) must not change greedy decoding (few rows): a sequence's output does not depend
     on the rows beside it, whose count once chose the number of splits."""

@@ -433,9 +433,10 @@ if triton is not None:
             else:
                 acc = acc * decay[:, None] + tl.dot(p.to(q.dtype), v)
             running_max = new_max
-        if SPLIT:
+        if SPLIT:  # a split past the sequence's length (no positions) writes only its max (−inf) and sum
             part = (b * heads + head) * splits + split
-            tl.store(partial_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+            written = d < tl.where(first < last, HEAD_DIM, 0)  # every lane, or none
+            tl.store(partial_out + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & written[None, :])
             tl.store(partial_max + part, running_max, mask=row_ok)
             tl.store(partial_sum + part, running_sum, mask=row_ok)
         else:
@@ -460,7 +461,9 @@ if triton is not None:
         weight = tl.where(split_max > float("-inf"), tl.exp2(split_max - top), 0.0)  # empty splits weigh 0
         total = tl.sum(weight * split_sum, 0)
         d = tl.arange(0, HEAD_DIM)
-        acc = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :], mask=used[:, None], other=0.0)
+        # the outputs of the splits that had positions: an empty one wrote none (its weight is 0, its output 0)
+        acc = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :],
+                      mask=(used & (split_max > float("-inf")))[:, None], other=0.0)
         o = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
         head = h + tl.arange(0, 1)
         _store_output(o[None, :], b, head, head < heads, out_ptr, stride_ob, gate_ptr, stride_gate, records_ptr,
