@@ -1,10 +1,13 @@
 """What the device scripts share to time a kernel against the memory limit: the read bandwidth measured now (a
 reduction over 1 GiB, median of triton's `do_bench`), and copies of a matrix to rotate through so that the 50 MiB
-L2 never holds the one a call reads."""
+L2 never holds the one a call reads; and the fast path on a 4-layer slice of a preset, for the step profiles."""
 
 import torch
 import triton
 
+from ninfer.artifact.reader import Artifact
+from ninfer.convert.synth import synth_artifact
+from ninfer.fast.runner import FastQwen35
 from ninfer.kernels.gdn_decode import gated_delta_decode
 
 
@@ -77,3 +80,12 @@ def median_replay_us(setup, call, repeats: int = 40) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def slice_model(preset: str, max_context: int, device: str = "cuda") -> FastQwen35:
+    """The fast path on the first 4 layers of `preset`'s synthetic q4 artifact (/tmp/PRESET-slice.ninfer): the
+    kernels of a step at the real widths, with room for 8 sequences of `max_context` tokens."""
+    path = f"/tmp/{preset}-slice.ninfer"
+    synth_artifact(preset, "q4", path, quiet=True, layers=4, device=device)
+    with Artifact.open(path) as artifact:
+        return FastQwen35.from_artifact(artifact, device, max_sequences=8, max_context=max_context)

@@ -11,19 +11,13 @@ import sys
 import time
 
 import torch
+from device_timing import slice_model
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from ninfer.artifact.reader import Artifact
-from ninfer.convert.synth import synth_artifact
-from ninfer.fast.runner import FastQwen35
-
 preset = sys.argv[1]
 prompt = int(sys.argv[2]) if len(sys.argv) > 2 else 512
-path = f"/tmp/{preset}-slice.ninfer"
-synth_artifact(preset, "q4", path, quiet=True, layers=4, device="cuda")
-with Artifact.open(path) as artifact:
-    model = FastQwen35.from_artifact(artifact, "cuda", max_sequences=8, max_context=prompt + 64)
+model = slice_model(preset, prompt + 64)
 ids = torch.randint(0, 240_000, (prompt,), device="cuda")
 for batch in (1, 8):
     states = [model.new_state(prompt + 32) for _ in range(batch)]
