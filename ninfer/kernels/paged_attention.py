@@ -458,12 +458,12 @@ if triton is not None:
         split_max = tl.load(partial_max + part, mask=used, other=float("-inf"))
         split_sum = tl.load(partial_sum + part, mask=used, other=0.0)
         top = tl.max(split_max, 0)
-        weight = tl.where(split_max > float("-inf"), tl.exp2(split_max - top), 0.0)  # empty splits weigh 0
+        had_positions = split_max > float("-inf")  # false for empty splits and past `splits`
+        weight = tl.where(had_positions, tl.exp2(split_max - top), 0.0)  # empty splits weigh 0
         total = tl.sum(weight * split_sum, 0)
         d = tl.arange(0, HEAD_DIM)
-        # the outputs of the splits that had positions: an empty one wrote none (its weight is 0, its output 0)
-        acc = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :],
-                      mask=(used & (split_max > float("-inf")))[:, None], other=0.0)
+        # only the splits that had positions wrote an output (an empty one's counts as 0)
+        acc = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :], mask=had_positions[:, None], other=0.0)
         o = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
         head = h + tl.arange(0, 1)
         _store_output(o[None, :], b, head, head < heads, out_ptr, stride_ob, gate_ptr, stride_gate, records_ptr,
