@@ -440,3 +440,39 @@ def test_sample_batch_reads_the_device_back_once(monkeypatch):
     generators = [make_generator(p.seed, "cpu") for p in BATCH_PARAMS]
     sample_batch(logits, BATCH_PARAMS, generators, [torch.tensor([1, 2])] * 5, [torch.tensor([3])] * 5)
     assert reads == ["tolist"]
+
+
+def test_sample_batch_greedy_rows_without_penalties_match_sample_next_on_ties_and_broken_rows():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 32, generator=generator).to(torch.bfloat16)
+    logits[0, [5, 9]] = 40.0  # a tie: the lower id wins
+    logits[2, 3] = float("nan")
+    logits[3, 30] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, :31] = float("-inf")  # only the last id is samplable
+    plain = SamplingParams.greedy_params()
+    params = [plain, plain, plain, plain, plain, plain, SamplingParams.greedy_params(repetition_penalty=1.5)]
+    logits[6] = 0.0
+    logits[6, 0], logits[6, 1] = 2.0, 1.75
+    prompt = torch.tensor([0])  # the penalty takes row 6's argmax from 0 (2 / 1.5) to 1
+    got = sample_batch(logits, params, [None] * 7, [prompt] * 7, [None] * 7)
+    assert got[0] == 5 and got[5] == 31 and got[6] == 1
+    for b, row_params in enumerate(params):
+        try:
+            expected = sample_next(logits[b], row_params, None, prompt, None)
+        except SamplingError as error:
+            assert isinstance(got[b], SamplingError) and str(got[b]) == str(error), b
+        else:
+            assert got[b] == expected, b
+    assert [isinstance(g, SamplingError) for g in got] == [False, False, True, True, True, False, False]
+
+
+def test_sample_batch_picks_the_plain_greedy_rows_in_one_pass(monkeypatch):
+    logits = torch.randn(8, 64)
+    expected = [int(torch.argmax(row)) for row in logits]
+    calls = []
+    original_function, original_method = torch.argmax, torch.Tensor.argmax
+    monkeypatch.setattr(torch, "argmax", lambda *a, **k: calls.append(1) or original_function(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda self, *a, **k: calls.append(1) or original_method(self, *a, **k))
+    assert sample_batch(logits, [SamplingParams.greedy_params()] * 8, [None] * 8, [None] * 8, [None] * 8) == expected
+    assert len(calls) == 1

@@ -151,20 +151,34 @@ def sample_batch(logits: Tensor, params: Sequence[SamplingParams], generators: S
                  prompt_ids: Sequence[Tensor | None],
                  generated_ids: Sequence[Tensor | None]) -> list[int | SamplingError]:
     """One next token for each row of `logits` `[B, V]`, row b under params[b] / generators[b] (its request's),
-    each the token `sample_next` would give that row alone (the same device ops, the same draws), with ONE read
-    back to the host for the whole batch: the validity of each row (no NaN / +inf, something samplable) is
-    computed on the device and read with the tokens. A row that cannot be sampled gets its SamplingError in
+    each the token `sample_next` would give that row alone (sampled rows: the same device ops and draws; greedy
+    rows without penalties: one argmax pass over the batch), with ONE read back to the host for the whole batch:
+    the validity of each row (no NaN / +inf, something samplable) is computed on the device and read with the
+    tokens. A row that cannot be sampled gets its SamplingError in
     place of a token (its draw is then made from a harmless one-hot, so the device never sees invalid
     probabilities). The ids in prompt_ids / generated_ids are trusted (not range-checked on the device)."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise SamplingError(f"sample_batch needs float logits [B, V], got {logits.dtype} {list(logits.shape)}")
-    picks: list[Tensor | SamplingError] = []
+    # greedy rows without penalties need no per-row work: their argmax and checks are one pass over the whole batch
+    # (a handful of launches a step rather than a handful a row; the other rows' results of it go unused), with
+    # the values of the per-row path below
+    plain = [b for b, row_params in enumerate(params) if row_params.greedy and not _penalised(row_params)]
+    picks: list[Tensor | SamplingError | None] = [None] * len(params)
+    if plain:
+        every = logits.to(torch.float32)
+        every_broken = torch.isnan(every).any(-1) | torch.isposinf(every).any(-1)
+        every_empty = every.amax(-1) == -math.inf
+        every_pick = torch.stack([every.argmax(-1), every_broken.long(), every_empty.long()], dim=1)
+        for b in plain:
+            picks[b] = every_pick[b]
     for b, row_params in enumerate(params):
+        if picks[b] is not None:
+            continue
         row = logits[b]
         try:
             penalised = apply_penalties(row, row_params, prompt_ids[b], generated_ids[b], checked=False)
         except SamplingError as error:  # found on the host (a logit_bias id outside the vocabulary)
-            picks.append(error)
+            picks[b] = error
             continue
         broken = _broken(row)
         best = penalised.max()
@@ -177,7 +191,7 @@ def sample_batch(logits: Tensor, params: Sequence[SamplingParams], generators: S
             harmless[0] = 1.0
             probs = torch.where(broken | empty, harmless, probs)
             token = torch.multinomial(probs, 1, generator=generators[b])[0]
-        picks.append(torch.stack([token, broken.long(), empty.long()]))
+        picks[b] = torch.stack([token, broken.long(), empty.long()])
     rows = [p for p in picks if isinstance(p, Tensor)]
     values = iter(torch.stack(rows).tolist() if rows else [])  # the one synchronisation
     out: list[int | SamplingError] = []
@@ -189,6 +203,12 @@ def sample_batch(logits: Tensor, params: Sequence[SamplingParams], generators: S
         out.append(SamplingError(BROKEN_LOGITS) if broken else SamplingError(NOTHING_SAMPLABLE.format(
             logits.shape[1])) if empty else token)
     return out
+
+
+def _penalised(params: SamplingParams) -> bool:
+    """Whether `apply_penalties` changes any logit under these params."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or bool(params.logit_bias))
 
 
 BROKEN_LOGITS = "logits contain NaN or +inf: the model output is broken, nothing can be sampled"
