@@ -450,11 +450,11 @@ def test_sample_batch_greedy_rows_without_penalties_match_sample_next_on_ties_an
     logits[3, 30] = float("inf")
     logits[4] = float("-inf")
     logits[5, :31] = float("-inf")  # only the last id is samplable
-    plain = SamplingParams.greedy_params()
-    params = [plain, plain, plain, plain, plain, plain, SamplingParams.greedy_params(repetition_penalty=1.5)]
     logits[6] = 0.0
     logits[6, 0], logits[6, 1] = 2.0, 1.75
     prompt = torch.tensor([0])  # the penalty takes row 6's argmax from 0 (2 / 1.5) to 1
+    plain = SamplingParams.greedy_params()
+    params = [plain, plain, plain, plain, plain, plain, SamplingParams.greedy_params(repetition_penalty=1.5)]
     got = sample_batch(logits, params, [None] * 7, [prompt] * 7, [None] * 7)
     assert got[0] == 5 and got[5] == 31 and got[6] == 1
     for b, row_params in enumerate(params):

@@ -154,9 +154,9 @@ def sample_batch(logits: Tensor, params: Sequence[SamplingParams], generators: S
     each the token `sample_next` would give that row alone (sampled rows: the same device ops and draws; greedy
     rows without penalties: one argmax pass over the batch), with ONE read back to the host for the whole batch:
     the validity of each row (no NaN / +inf, something samplable) is computed on the device and read with the
-    tokens. A row that cannot be sampled gets its SamplingError in
-    place of a token (its draw is then made from a harmless one-hot, so the device never sees invalid
-    probabilities). The ids in prompt_ids / generated_ids are trusted (not range-checked on the device)."""
+    tokens. A row that cannot be sampled gets its SamplingError in place of a token (its draw is then made from a
+    harmless one-hot, so the device never sees invalid probabilities). The ids in prompt_ids / generated_ids are
+    trusted (not range-checked on the device)."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise SamplingError(f"sample_batch needs float logits [B, V], got {logits.dtype} {list(logits.shape)}")
     # greedy rows without penalties need no per-row work: their argmax and checks are one pass over the whole batch
@@ -166,9 +166,8 @@ def sample_batch(logits: Tensor, params: Sequence[SamplingParams], generators: S
     picks: list[Tensor | SamplingError | None] = [None] * len(params)
     if plain:
         every = logits.to(torch.float32)
-        every_broken = torch.isnan(every).any(-1) | torch.isposinf(every).any(-1)
         every_empty = every.amax(-1) == -math.inf
-        every_pick = torch.stack([every.argmax(-1), every_broken.long(), every_empty.long()], dim=1)
+        every_pick = torch.stack([every.argmax(-1), _broken(every).long(), every_empty.long()], dim=1)
         for b in plain:
             picks[b] = every_pick[b]
     for b, row_params in enumerate(params):
@@ -224,8 +223,8 @@ def _check_logits(logits: Tensor, read_back: bool = True) -> int:
 
 
 def _broken(logits: Tensor) -> Tensor:
-    """Whether a row holds NaN or +inf (a device bool: the model output is broken)."""
-    return torch.isnan(logits).any() | torch.isposinf(logits).any()
+    """Whether each row (the last dimension) holds NaN or +inf (device bools: the model output is broken)."""
+    return torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
 
 
 def _token_ids(ids: Tensor | None, vocab: int, name: str, device: torch.device, checked: bool = True) -> Tensor:
