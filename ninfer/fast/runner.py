@@ -356,10 +356,13 @@ class FastQwen35:
     def _decode(self, batch: int) -> torch.Tensor:
         """The decode step over the first `batch` rows of `self.inputs` (device tensors only: graph-capturable)."""
         ids, slots, lengths = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
+        # the embedding rows before the fork: a graph with two streams starts its first few kernels and then
+        # pauses about 10 µs; forked after the rows, the pause falls less on the main chain (docs/performance.md,
+        # thirty-first session)
+        x = self.linears["token_embedding"].rows(ids)
         with self.branches.beside():  # first needed by the first attention layer (which joins)
             positions = lengths - 1
             tables = self.cache.block_tables.index_select(0, slots)
-        x = self.linears["token_embedding"].rows(ids)
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
                          lambda h, i: self._gdn_decode(h, i, slots), self.int8_activations)
         logits = self._linear(self.head, h, self.int8_activations, torch.float32)
