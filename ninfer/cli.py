@@ -177,6 +177,9 @@ def _add_runner_flags(parser: argparse.ArgumentParser) -> None:
                         help="auto: the GPU fast path on CUDA when the model suits it (default), else the reference")
     parser.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="bf16",
                         help="fast path KV cache precision (default bf16)")
+    parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="fast path GDN recurrent-state precision as stored (default fp32, the models' own; bf16 "
+                             "halves its memory and traffic, computing in fp32 either way)")
     parser.add_argument("--prefill-chunk", type=_positive_int, default=None,
                         help="prompt tokens per prefill chunk (default 4096; the memory plan reserves room for one). "
                              "serve: the default is 4096 for a prompt with no stream to hold up and 512 per step "
@@ -193,7 +196,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.is_file():
         raise NinferError(f"{args.model}: no such file")
     llm = LLM(args.model, device=args.device, dtype=dtype, runner=args.runner, kv_dtype=args.kv_dtype,
-              max_sequences=max(args.batch_sizes), max_context=max(args.prompt_lengths) + args.new_tokens + 1,
+              state_dtype=args.state_dtype, max_sequences=max(args.batch_sizes),
+              max_context=max(args.prompt_lengths) + args.new_tokens + 1,
               prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, progress=not args.json)
     lengths = [min(p, llm.max_context - args.new_tokens - 1) for p in args.prompt_lengths]
     if min(lengths) < 1:

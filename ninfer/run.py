@@ -45,7 +45,8 @@ def run_command(args: argparse.Namespace) -> int:
         raise NinferError(f"{args.model}: no such file")
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     llm = LLM(args.model, device=args.device, dtype=dtype, max_context=args.max_context, runner=args.runner,
-              kv_dtype=args.kv_dtype, max_sequences=1, prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
+              kv_dtype=args.kv_dtype, state_dtype=args.state_dtype, max_sequences=1,
+              prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
     overrides = {flag: getattr(args, flag) for flag in SAMPLING_FLAGS if getattr(args, flag) is not None}
     if args.greedy:
         overrides["temperature"] = 0.0

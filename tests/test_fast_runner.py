@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from ninfer.artifact.reader import Artifact
+from ninfer.errors import NinferError
 from ninfer.fast import runner
 from ninfer.fast.cache import CacheFullError, MemoryPlanError, plan_memory
 from ninfer.fast.runner import FastQwen35
@@ -29,6 +30,7 @@ DENSE = "ninfer/assets/demo.ninfer"
 MOE = "data/models/small-moe-q8.ninfer"
 FP32_TOLERANCE = 1e-4  # relative to the largest logit: fp32 on both sides, summation orders differ
 QUANTIZED_KV_TOLERANCE = {"int8": 0.03, "fp8": 0.1}  # KV rounding, relative to the largest logit
+BF16_STATE_TOLERANCE = 0.03  # the GDN state rounded to bf16 after each token, relative to the largest logit
 # decode steps against the int8 oracle: equal up to fp32 rounding, unless a code sits on a rounding boundary and the
 # two paths' rounding-level differences flip it (seen under triton 3.9's interpreter), which moves the logits ~1 %
 DECODE_TOLERANCE = 0.02
@@ -208,6 +210,33 @@ def test_quantized_kv_stays_close_to_the_reference(kv_dtype):
     assert 0 < error < QUANTIZED_KV_TOLERANCE[kv_dtype]  # nonzero: the pages really are quantized
 
 
+def test_a_bf16_state_pool_stays_close_to_the_reference_and_keeps_short_prompts_bits(monkeypatch):
+    """`state_dtype="bf16"`: the GDN recurrent state pooled in bf16 (computed in fp32, rounded as stored after each
+    token). A prompt through the prefill route (two chunks, the state carried through the pool) and two decode
+    steps stay close to the fp32 reference; a short prompt piece still gives the bits of decoding its tokens one
+    by one (the per-token rounding inside one call)."""
+    monkeypatch.setattr(runner, "SHORT_PREFILL_TOKENS", SHORT)
+    reference, fast = _models(DENSE, max_sequences=3, prefill_chunk=20, state_dtype="bf16")
+    assert fast.cache.recurrent.dtype == torch.bfloat16
+    ref_state, fast_state = reference.new_state(64), fast.new_state(64)
+    expected = reference.forward(torch.tensor(PROMPT), ref_state)
+    fast.forward(torch.tensor(PROMPT), fast_state)
+    errors = []
+    for _ in range(2):
+        token = torch.tensor([int(expected.argmax())])
+        with int8_activations(reference, DENSE):
+            expected = reference.forward(token, ref_state)
+        errors.append(_relative(fast.forward(token, fast_state), expected))
+    assert 0 < max(errors) < BF16_STATE_TOLERANCE, errors
+    short, stepped = fast.new_state(64), fast.new_state(64)
+    piece = torch.tensor(PROMPT[20:23])
+    got = fast.forward(piece, short)
+    for token in piece:
+        step = fast.decode_batch([stepped], token[None])[0]
+    pool = fast.cache.recurrent
+    assert torch.equal(got, step) and torch.equal(pool[:, short.slot], pool[:, stepped.slot])
+
+
 def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
     with Artifact.open(DENSE) as artifact:
         config = TextConfig.from_dict(artifact.components["text"]["config"])
@@ -217,6 +246,11 @@ def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
     tight = plan_memory(config, 10**8, roomy.total - roomy.kv // 2, **options, margin=0.0)
     assert tight.kv_tokens == 2048  # what is left after weights, state and workspace
     assert plan_memory(config, 10**8, 10**10, **{**options, "kv_dtype": "int8"}).kv < roomy.kv
+    conv = sum(t != "full_attention" for t in config.layer_types) * config.conv_dim * (config.conv_kernel - 1) * 2
+    narrow = plan_memory(config, 10**8, 10**10, **options, state_dtype="bf16")
+    assert narrow.state - 5 * conv == (roomy.state - 5 * conv) // 2  # 4 slots + scratch: bf16 recurrent state
+    with pytest.raises(NinferError, match="unknown recurrent-state dtype 'fp16'"):
+        plan_memory(config, 10**8, 10**10, **options, state_dtype="fp16")
     with pytest.raises(MemoryPlanError, match=r"does not fit.*lower --max-context"):
         plan_memory(config, 10**10, 10**10, **options)
 

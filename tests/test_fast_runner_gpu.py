@@ -94,12 +94,13 @@ def test_real_shape_slice_integer_decode_against_the_int8_oracle(sliced):
         assert _relative(got, expected) < tolerance, f"step {step} sequence {row}"
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
-def test_graph_replay_equals_eager_decode(kv_dtype):
+@pytest.mark.parametrize("kv_dtype, state_dtype", [("bf16", "fp32"), ("int8", "fp32"), ("fp8", "fp32"),
+                                                    ("bf16", "bf16")])
+def test_graph_replay_equals_eager_decode(kv_dtype, state_dtype):
+    options = dict(max_sequences=4, max_context=512, kv_dtype=kv_dtype, state_dtype=state_dtype)
     with Artifact.open(DEMO) as artifact:
-        graphed = FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=512, kv_dtype=kv_dtype)
-        eager = FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=512, kv_dtype=kv_dtype,
-                                         graphs=False)
+        graphed = FastQwen35.from_artifact(artifact, "cuda", **options)
+        eager = FastQwen35.from_artifact(artifact, "cuda", **options, graphs=False)
     prompts = [torch.arange(5, 40, device="cuda"), torch.arange(100, 110, device="cuda"),
                torch.arange(7, 9, device="cuda")]
     states = {m: [m.new_state(256) for _ in prompts] for m in (graphed, eager)}

@@ -74,10 +74,11 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, runner: str = "auto", kv_dtype: str = "bf16",
-                 kv_capacity: int | None = None, max_sequences: int = 8, prefill_chunk: int = PREFILL_CHUNK,
-                 progress: bool = False):
+                 state_dtype: str = "fp32", kv_capacity: int | None = None, max_sequences: int = 8,
+                 prefill_chunk: int = PREFILL_CHUNK, progress: bool = False):
         """`runner`: "auto" (the fast path on CUDA when the model suits it), "fast" or "reference". The fast path's
-        options: `kv_dtype` (bf16 / int8 / fp8), `kv_capacity` (KV tokens over all sequences; default: what the
+        options: `kv_dtype` (bf16 / int8 / fp8), `state_dtype` (the GDN recurrent state as stored: fp32 / bf16),
+        `kv_capacity` (KV tokens over all sequences; default: what the
         free memory holds, up to `max_sequences` full contexts), `max_sequences` (state slots = the largest
         decode batch), `prefill_chunk`; its context defaults to min(the model's, FAST_DEFAULT_CONTEXT)."""
         started = time.perf_counter()
@@ -98,7 +99,8 @@ class LLM:
                 context = min(max_context or FAST_DEFAULT_CONTEXT, config.max_positions)
                 self.model = FastQwen35.from_artifact(
                     artifact, self.device, max_sequences=max_sequences, max_context=context,
-                    kv_capacity=kv_capacity, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, dtype=self.dtype,
+                    kv_capacity=kv_capacity, kv_dtype=kv_dtype, state_dtype=state_dtype, prefill_chunk=prefill_chunk,
+                    dtype=self.dtype,
                     progress=progress)
                 max_context = context
             else:

@@ -108,14 +108,16 @@ def _read_bandwidth(device: torch.device, nbytes: int, burst: int | None = None)
 
 def _state_bytes(llm: LLM, length: int) -> int:
     """Bytes a decode step reads from one sequence's state at `length` tokens: KV rows of the attention layers
-    and the fp32 recurrent plus conv state of the GDN layers."""
+    and the recurrent (fp32, or as the fast path pools it) plus conv state of the GDN layers."""
     c = llm.model.config
     element = torch.empty((), dtype=llm.dtype).element_size()
-    kv_element = getattr(getattr(llm.model, "cache", None), "kv_element_bytes", element)
+    cache = getattr(llm.model, "cache", None)
+    kv_element = getattr(cache, "kv_element_bytes", element)
+    state_element = cache.recurrent.element_size() if cache is not None else 4
     attention = sum(1 for t in c.layer_types if t == FULL_ATTENTION)
     gdn = c.layers - attention
     return (attention * 2 * length * c.kv_heads * c.head_dim * kv_element
-            + gdn * (c.v_heads * c.k_dim * c.v_dim * 4 + c.conv_dim * (c.conv_kernel - 1) * element))
+            + gdn * (c.v_heads * c.k_dim * c.v_dim * state_element + c.conv_dim * (c.conv_kernel - 1) * element))
 
 
 def _weight_bytes_per_step(llm: LLM, batch: int) -> float:

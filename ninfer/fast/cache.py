@@ -5,9 +5,10 @@ Layout (see ninfer/kernels/paged_attention.py for the page format):
   * KV: per attention layer `key_pages`, `value_pages` `[P, PAGE, kvh, hd]` in the KV dtype (bf16 / int8 / fp8)
     and, for int8/fp8, fp16 scales `[P, PAGE, kvh, hd / 64]`. Page 0 is scratch (padding rows of a batch write
     there); a sequence owns the pages of its block-table row, allocated for its whole capacity at admission.
-  * GDN: `conv` `[L, S + 1 + S·V, C, K-1]` bf16 and `recurrent` `[L, S + 1 + S·V, Hv, Dk, Dv]` fp32 over the L
-    GDN layers; slot S is scratch; with V = `max_verify_tokens` > 0, slots S + 1 + s·V + t hold sequence slot s's
-    state after draft token t of a verify step (the recurrent state cannot be cut back to an accepted prefix).
+  * GDN: `conv` `[L, S + 1 + S·V, C, K-1]` bf16 and `recurrent` `[L, S + 1 + S·V, Hv, Dk, Dv]` in the state
+    dtype (fp32, as the models' `mamba_ssm_dtype`, or bf16: half the memory and traffic) over the L GDN layers;
+    slot S is scratch; with V = `max_verify_tokens` > 0, slots S + 1 + s·V + t hold sequence slot s's state after
+    draft token t of a verify step (the recurrent state cannot be cut back to an accepted prefix).
 A `SlotState` is one sequence's handle; dropping the last reference returns its slot and pages.
 
 Pages are reference-counted so that prefix snapshots share them by content instead of copying them: a snapshot
@@ -30,6 +31,7 @@ from ninfer.errors import NinferError
 from ninfer.model.config import FULL_ATTENTION, TextConfig
 
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the GDN recurrent state as pooled
 SCALE_GROUP = 64
 PAGE = 64  # positions per KV page
 
@@ -50,11 +52,11 @@ def kv_bytes_per_token(config: TextConfig, kv_dtype: str) -> int:
     return layers * 2 * config.kv_heads * per_head
 
 
-def state_bytes_per_slot(config: TextConfig) -> int:
-    """Bytes of one sequence's GDN conv window (bf16) and recurrent state (fp32) over all GDN layers."""
+def state_bytes_per_slot(config: TextConfig, state_dtype: str = "fp32") -> int:
+    """Bytes of one sequence's GDN conv window (bf16) and recurrent state (in `state_dtype`) over all GDN layers."""
     layers = sum(1 for t in config.layer_types if t != FULL_ATTENTION)
     conv = config.conv_dim * (config.conv_kernel - 1) * 2
-    recurrent = config.v_heads * config.k_dim * config.v_dim * 4
+    recurrent = config.v_heads * config.k_dim * config.v_dim * STATE_DTYPES[state_dtype].itemsize
     return layers * (conv + recurrent)
 
 
@@ -84,12 +86,14 @@ class MemoryPlan:
 
 def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int, max_context: int,
                 kv_capacity: int | None, kv_dtype: str, prefill_chunk: int, margin: float = 0.05,
-                page: int = PAGE, max_verify_tokens: int = 0) -> MemoryPlan:
+                page: int = PAGE, max_verify_tokens: int = 0, state_dtype: str = "fp32") -> MemoryPlan:
     """Size the KV pool: `kv_capacity` tokens when given, else (auto) what is left after the weights, the slots'
     recurrent state and the workspace, minus a `margin` fraction of the free memory — capped at what `slots`
     sequences of `max_context` (in whole pages) can use. Raises MemoryPlanError when even one full-context
     sequence does not fit."""
-    state = (slots * (1 + max_verify_tokens) + 1) * state_bytes_per_slot(config)
+    if state_dtype not in STATE_DTYPES:
+        raise NinferError(f"unknown recurrent-state dtype {state_dtype!r}; use {' or '.join(STATE_DTYPES)}")
+    state = (slots * (1 + max_verify_tokens) + 1) * state_bytes_per_slot(config, state_dtype)
     per_token = kv_bytes_per_token(config, kv_dtype)
     # workspace: the largest dequantized prefill matrix, prefill activations (a few [chunk, width] tensors) and the
     # logits of a decode batch and of a prefill's last row
@@ -108,7 +112,7 @@ def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int,
         raise MemoryPlanError(
             f"the model does not fit: {plan.describe()} (keeping {keep / gib:.2f} GiB back), and one sequence of "
             f"{max_context} tokens needs {max_context * per_token / gib:.2f} GiB of KV; lower --max-context, "
-            "--max-concurrency or --kv-capacity, or choose --kv-dtype int8/fp8")
+            "--max-concurrency or --kv-capacity, or choose --kv-dtype int8/fp8 or --state-dtype bf16")
     return plan
 
 
@@ -140,7 +144,7 @@ class SequenceCache:
 
     def __init__(self, config: TextConfig, device: torch.device, *, slots: int, kv_tokens: int, max_context: int,
                  kv_dtype: str, float_dtype: torch.dtype = torch.bfloat16, page: int = PAGE,
-                 max_verify_tokens: int = 0):
+                 max_verify_tokens: int = 0, state_dtype: str = "fp32"):
         self.config = config
         self.device = device
         self.page = page
@@ -167,7 +171,7 @@ class SequenceCache:
         self.conv = torch.zeros((gdn, state_slots, config.conv_dim, config.conv_kernel - 1), dtype=float_dtype,
                                 device=device)
         self.recurrent = torch.zeros((gdn, state_slots, config.v_heads, config.k_dim, config.v_dim),
-                                     dtype=torch.float32, device=device)
+                                     dtype=STATE_DTYPES[state_dtype], device=device)
         self.block_tables = torch.zeros((slots + 1, self.max_pages), dtype=torch.int32, device=device)
         self.free_slots = list(range(slots - 1, -1, -1))
         self.free_pages = list(range(pages - 1, 0, -1))

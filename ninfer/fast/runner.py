@@ -136,12 +136,14 @@ class FastQwen35:
     @classmethod
     def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cuda", *, max_sequences: int = 8,
                       max_context: int = 32768, kv_capacity: int | None = None, kv_dtype: str = "bf16",
-                      prefill_chunk: int = 4096, dtype: torch.dtype = torch.bfloat16, graphs: bool = True,
+                      state_dtype: str = "fp32", prefill_chunk: int = 4096, dtype: torch.dtype = torch.bfloat16,
+                      graphs: bool = True,
                       max_verify_tokens: int = 0, int8_activations: bool = True,
                       progress: bool = False) -> FastQwen35:
         """Plan the memory (refusing what does not fit before loading anything), then load the weights and
         allocate the pools. `dtype` is the activation dtype (bf16; fp32 serves the CPU tests under the Triton
-        interpreter) and the dtype of "bf16" KV pages. `max_verify_tokens` > 0 reserves GDN snapshot slots for
+        interpreter) and the dtype of "bf16" KV pages. `state_dtype` is the GDN recurrent state's as pooled (fp32 or
+        bf16; computed in fp32 either way). `max_verify_tokens` > 0 reserves GDN snapshot slots for
         `verify` steps of up to that many draft tokens per sequence. `int8_activations=False` gives decode and
         verify steps the prefill's exact numerics (every product through the decoded weights: slow, and the head's
         decoded matrix needs its size in scratch) — for checking the fast path against the reference."""
@@ -151,7 +153,7 @@ class FastQwen35:
         weight_bytes = sum(_device_bytes(o.format, o.shape, o.bytes) for o in objects)
         plan = plan_memory(config, weight_bytes, free_memory(device), slots=max_sequences, max_context=max_context,
                            kv_capacity=kv_capacity, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
-                           max_verify_tokens=max_verify_tokens)
+                           state_dtype=state_dtype, max_verify_tokens=max_verify_tokens)
         scratch = Scratch(device, dtype)
         linears, vectors = {}, {}
         for obj in tqdm(objects, desc="loading weights", unit="object", disable=not progress):
@@ -162,7 +164,7 @@ class FastQwen35:
                 tensor = artifact.tensor(obj.id, device)
                 vectors[name] = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)
         cache = SequenceCache(config, device, slots=max_sequences, kv_tokens=plan.kv_tokens,
-                              max_context=max_context, kv_dtype=kv_dtype, float_dtype=dtype,
+                              max_context=max_context, kv_dtype=kv_dtype, float_dtype=dtype, state_dtype=state_dtype,
                               max_verify_tokens=max_verify_tokens)
         return cls(config, linears, vectors, cache, plan, dtype=dtype, prefill_chunk=prefill_chunk, graphs=graphs,
                    int8_activations=int8_activations)
@@ -627,8 +629,8 @@ class FastQwen35:
         g = -torch.exp(self.vectors[prefix + "a_log"]) * F.softplus(a.float() + self.vectors[prefix + "dt_bias"])
         repeat = c.v_heads // c.k_heads
         q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-        o, final = delta_rule_prefill(q, k, v, g, beta, cache.recurrent[index, state.slot], c.k_dim)
-        cache.recurrent[index, state.slot] = final
+        o, final = delta_rule_prefill(q, k, v, g, beta, cache.recurrent[index, state.slot].float(), c.k_dim)
+        cache.recurrent[index, state.slot] = final  # rounded to a bf16 pool's dtype
         o = rms_norm_gated(o.to(h.dtype), value_z[:, value_rows:].reshape(tokens, c.v_heads, c.v_dim),
                            self.vectors[prefix + "norm"], c.rms_eps)
         return self.linears[prefix + "output"](o.reshape(tokens, value_rows))

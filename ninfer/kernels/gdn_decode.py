@@ -142,7 +142,7 @@ if triton is not None:
         head_tile = head * stride_s_head + ks[:, None] * stride_s_k + vs[None, :] * stride_s_v
         tile = state_ptr + slot * stride_s_slot + head_tile
         tile_ok = k_ok[:, None] & v_ok[None, :]
-        S = tl.load(tile, mask=tile_ok, other=0.0)
+        S = tl.load(tile, mask=tile_ok, other=0.0).to(tl.float32)  # fp32 in registers whatever the pool holds
         # with CONV the conv of the program's channels — its key head's q and k, its value columns — from their
         # windows (the q / k conv is made by every program that reads the key head; the norm launch moves the windows
         # on); else x is the conv's output
@@ -160,6 +160,7 @@ if triton is not None:
         if EARLY_STATE:  # the tile and windows streamed in while the kernel before finished (`gated_delta_decode`)
             wait_for_inputs(PDL)
         dtype = o_ptr.dtype.element_ty
+        state_dtype = state_ptr.dtype.element_ty
         for t in tl.static_range(T):  # unrolled: a runtime loop carrying S spills more registers
             row = sequence * T + t
             inputs = x_ptr + row * stride_x
@@ -200,10 +201,13 @@ if triton is not None:
             S += k[:, None] * (error * beta)[None, :]
             if SNAPSHOTS:
                 snapshot = tl.load(snapshot_ptr + row).to(tl.int64)
-                tl.store(state_ptr + snapshot * stride_s_slot + head_tile, S, mask=tile_ok)
+                tl.store(state_ptr + snapshot * stride_s_slot + head_tile, S.to(state_dtype), mask=tile_ok)
             o = tl.sum(q[:, None] * S, 0)
+            # a bf16 pool's state is rounded as stored after every token, so that the next token of a several-token
+            # call starts where a one-token call would (no-op for fp32)
+            S = S.to(state_dtype).to(tl.float32)
             tl.store(o_ptr + row * stride_o + head * V_DIM + vs, o.to(dtype), mask=v_ok)
-        tl.store(tile, S, mask=tile_ok)
+        tl.store(tile, S.to(state_dtype), mask=tile_ok)
 
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, norm_weight_ptr, out_ptr, records_ptr, x_ptr, conv_ptr, slot_ptr,
@@ -298,7 +302,7 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
         S = S · exp(g);  S += k ⊗ ((v_j − kᵀS) · beta);  o = qᵀS             (S = state[slots[b], j])
         out_j = rms_norm_gated(o rounded to x's dtype, z_j, norm_weight, eps)   (its casts included)
     Effect: `conv_state[slots[b]]` holds the window after the sequence's last token (exact copies of inputs) and
-    `state[slots[b], j]` S after it (fp32); with `snapshot_slots` `[B, T]`, the window and S after token t are also
+    `state[slots[b], j]` S after it; with `snapshot_slots` `[B, T]`, the window and S after token t are also
     written to conv_state[snapshot_slots[b, t]] and state[snapshot_slots[b, t], j]; nothing else in the pools is
     touched.
 
@@ -308,7 +312,9 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
     x · Wᵀ in fp32 with the fixed-order sums of `dense_linear_gemv(x, W, pairwise=True)` (the same bits), rounded
     to x's dtype — each with unit column stride, row views fine; conv_weight `[C, K]`, K ≥ 2, any float dtype;
     conv_state `[S, C, K-1]` in x's dtype (any strides); a_log, dt_bias `[v_heads]`; norm_weight `[v_dim]`; state
-    `[S, v_heads, k_dim, v_dim]` fp32 (any strides); slots `[B]` int32/int64; slots and snapshot slots all
+    `[S, v_heads, k_dim, v_dim]` fp32 or bf16 (any strides: a bf16 pool is read into fp32, and S is rounded to
+    bf16 after every token, as stored, before the next token reads it; o is read from S before that rounding);
+    slots `[B]` int32/int64; slots and snapshot slots all
     distinct, in [0, S) of both pools (not checked: no host sync); v_heads a multiple of k_heads. All on one
     device. Returns out `[B·T, v_heads·v_dim]` in x's dtype; with `quantize`, as `Int8Activations` (the output
     projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the quantizer).
@@ -368,9 +374,10 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
                                                                                      v_dim)):
         if t.shape != (size,):
             raise ValueError(f"{name}: {what} must be [{size}], got {list(t.shape)}")
-    if state.dim() != 4 or state.shape[1:] != (v_heads, k_dim, v_dim) or state.dtype != torch.float32:
-        raise ValueError(f"{name}: state must be [S, {v_heads}, {k_dim}, {v_dim}] float32, got {list(state.shape)} "
-                         f"{state.dtype}")
+    if state.dim() != 4 or state.shape[1:] != (v_heads, k_dim, v_dim) or \
+            state.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: state must be [S, {v_heads}, {k_dim}, {v_dim}] float32 or bfloat16, got "
+                         f"{list(state.shape)} {state.dtype}")
     tensors = (z, conv_weight, conv_state, ab_x, ab_w, a_log, dt_bias, norm_weight, state)
     if any(t.device != x.device for t in tensors):
         raise ValueError(f"{name}: all tensors must be on {x.device}, got {[str(t.device) for t in tensors]}")

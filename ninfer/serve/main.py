@@ -64,7 +64,7 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
         llm = LLM(path, device=args.device, dtype=dtype, max_context=args.max_context, runner=args.runner,
-                  kv_dtype=args.kv_dtype, max_sequences=args.max_concurrency,
+                  kv_dtype=args.kv_dtype, state_dtype=args.state_dtype, max_sequences=args.max_concurrency,
                   kv_capacity=args.kv_capacity if isinstance(args.kv_capacity, int) else None,
                   prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
         kv_capacity = (Engine.plan_kv_capacity(llm, args.max_concurrency) if args.kv_capacity == "auto"

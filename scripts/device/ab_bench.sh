@@ -4,6 +4,8 @@
 #   OLD_TREE: a folder holding the old `ninfer` package (e.g. `git archive COMMIT ninfer | tar -x -C old` here, the
 #   folder ignored through .git/info/exclude and named in the call's carry). Each job runs new, old, new, old, …
 #   ROUNDS times each; a line per run: tree, decode ms a step per batch size, fraction of the bandwidth limit.
+#   AB_NEW_FLAGS (environment): bench flags for the new tree's runs only; with OLD_TREE "." it compares one tree
+#   with and without them (e.g. AB_NEW_FLAGS="--state-dtype bf16").
 # The old tree starts from its own folder: `python3 -m` puts the current directory first on sys.path, so naming it
 # in PYTHONPATH alone would run the new code twice (docs/performance.md, ninth session).
 set -uo pipefail
@@ -22,11 +24,12 @@ for job in "$@"; do
   [ -f "$artifact" ] || (cd "$new" && PYTHONPATH=".:$site" python3 -m ninfer synth --preset "$preset" --recipe "$recipe" \
     --device cuda --out "$artifact" --quiet)
   for round in $(seq "$rounds"); do
-    for tree in "$new" "$old"; do
-      name=$([ "$tree" = "$new" ] && echo new || echo old)
+    for name in new old; do
+      tree=$([ "$name" = new ] && echo "$new" || echo "$old")
+      extra=$([ "$name" = new ] && echo "${AB_NEW_FLAGS:-}")
       log="$OUT/ab-$preset-$name-$round.log"
       # shellcheck disable=SC2086
-      (cd "$tree" && PYTHONPATH=".:$site" python3 -m ninfer bench "$artifact" --device cuda $flags --json \
+      (cd "$tree" && PYTHONPATH=".:$site" python3 -m ninfer bench "$artifact" --device cuda $flags $extra --json \
         >"$log.json" 2>"$log")
       python3 - "$name" "$log.json" <<'EOF'
 import json, sys
