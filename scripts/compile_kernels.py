@@ -135,11 +135,12 @@ def _record_all() -> None:
     conv = (torch.randn(channels, 4), torch.zeros(6, channels, 3, dtype=torch.bfloat16))
     vectors = (torch.randn(v_heads), torch.randn(v_heads), torch.randn(v_dim, dtype=torch.bfloat16))
     state = torch.zeros(6, v_heads, k_dim, v_dim)
-    gdn_decode.gated_delta_decode(torch.randn(4, channels, dtype=torch.bfloat16),  # a verify step: 2 × 2 tokens
-                                  torch.randn(4, v_heads * v_dim, dtype=torch.bfloat16),
-                                  torch.randn(4, 2 * v_heads, dtype=torch.bfloat16), *conv, *vectors, state, slots,
-                                  k_heads, k_dim, v_heads, v_dim, 1e-6, tokens=2, snapshot_slots=snapshots,
-                                  quantize=True)
+    for pool in (state, state.bfloat16()):  # a verify step of 2 × 2 tokens, on an fp32 and a bf16 state pool
+        gdn_decode.gated_delta_decode(torch.randn(4, channels, dtype=torch.bfloat16),
+                                      torch.randn(4, v_heads * v_dim, dtype=torch.bfloat16),
+                                      torch.randn(4, 2 * v_heads, dtype=torch.bfloat16), *conv, *vectors, pool, slots,
+                                      k_heads, k_dim, v_heads, v_dim, 1e-6, tokens=2, snapshot_slots=snapshots,
+                                      quantize=True)
     gdn_decode.gated_delta_decode(torch.randn(8, channels, dtype=torch.bfloat16),  # batch 8
                                   torch.randn(8, v_heads * v_dim, dtype=torch.bfloat16),
                                   torch.randn(8, 2 * v_heads, dtype=torch.bfloat16), *conv, *vectors, state,
