@@ -29,15 +29,16 @@ SPIN_CYCLES = 200_000  # about 100 µs at the H200's clock
 
 class DeltaRule27B:
     """`gated_delta_decode` (conv + delta rule, gated norm) at qwen3.8-27b's Gated DeltaNet shapes, its per-layer
-    tensors seeded: pools of POOL_SLOTS conv windows and fp32 states, the conv weight, a_log, dt_bias, the norm
-    weight."""
+    tensors seeded: pools of POOL_SLOTS conv windows and states (fp32, or `state_dtype`), the conv weight, a_log,
+    dt_bias, the norm weight."""
 
     K_HEADS, K_DIM, V_HEADS, V_DIM = 16, 128, 48, 128
     POOL_SLOTS = 17  # B sequences take slots 2, 4, … (mod 17)
 
-    def __init__(self):
+    def __init__(self, state_dtype: torch.dtype = torch.float32):
         torch.manual_seed(0)
-        self.state = torch.randn(self.POOL_SLOTS, self.V_HEADS, self.K_DIM, self.V_DIM, device="cuda") * 0.01
+        self.state = (torch.randn(self.POOL_SLOTS, self.V_HEADS, self.K_DIM, self.V_DIM, device="cuda") * 0.01).to(
+            state_dtype)
         channels = 2 * self.K_HEADS * self.K_DIM + self.V_HEADS * self.V_DIM
         self.conv_weight = torch.randn(channels, 4, device="cuda", dtype=torch.bfloat16) * 0.5
         self.conv_state = torch.randn(self.POOL_SLOTS, channels, 3, device="cuda", dtype=torch.bfloat16)
