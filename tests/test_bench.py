@@ -5,6 +5,7 @@ consistent with each other and the command's output parses."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import torch
 
@@ -40,6 +41,22 @@ def test_bench_command_json(capsys):
     assert data["limits"]["read_bytes_per_second"] > 0 and data["limits"]["matmul_flops_per_second"] > 0
     assert [row["batch"] for row in data["decode"]] == [1] and data["prefill"][0]["tokens"] == 16
     assert data["runner"] == "reference" and data["dependent_launch"] is False  # PDL is the fast path's, on sm_90+
+    assert data["kv_dtype"] is None and data["state_dtype"] is None  # the fast path's pools
+
+
+def test_state_bytes_follow_the_fast_paths_pools():
+    """A step reads each GDN layer's recurrent state as pooled: half the bytes from a bf16 pool, and KV rows at the
+    pool's bytes per element (int8 codes and their scales)."""
+    llm = LLM()
+    c = llm.model.config
+    fp32 = _state_bytes(llm, 100)
+    for state_dtype, kv_element in ((torch.float32, 1 + 2 / 64), (torch.bfloat16, 4.0)):
+        cache = SimpleNamespace(recurrent=torch.empty(0, dtype=state_dtype), kv_element_bytes=kv_element)
+        fast = SimpleNamespace(model=SimpleNamespace(config=c, cache=cache), dtype=llm.dtype)
+        kv = 2 * 2 * 100 * c.kv_heads * c.head_dim  # 2 attention layers x (K and V) elements
+        recurrent = 6 * c.v_heads * c.k_dim * c.v_dim * 4  # 6 GDN layers, fp32
+        expected = fp32 - kv * 4 + kv * kv_element - (recurrent // 2 if state_dtype == torch.bfloat16 else 0)
+        assert _state_bytes(fast, 100) == expected
 
 
 def test_moe_decode_reads_the_expected_share_of_the_experts():

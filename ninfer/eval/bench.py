@@ -52,6 +52,8 @@ class BenchReport:
     weight_bytes: int
     runner: str = "reference"
     dependent_launch: bool = False  # the fast path's kernels launch with PDL (ninfer.kernels.dependent_launch)
+    kv_dtype: str | None = None  # the fast path's KV pages and GDN state pool (`--kv-dtype`, `--state-dtype`)
+    state_dtype: str | None = None
     prefill: list[dict[str, float]] = field(default_factory=list)
     decode: list[dict[str, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0
@@ -153,6 +155,8 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
     vocab = llm.tokenizer.vocab_size
     report = BenchReport(str(llm.path), limits, model.weight_bytes, runner="fast" if llm.fast else "reference",
                          dependent_launch=llm.fast and pdl_supported(device))
+    if llm.fast:
+        report.kv_dtype, report.state_dtype = model.cache.kv_dtype, model.cache.state_dtype
     generator = torch.Generator().manual_seed(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -197,6 +201,8 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
 def format_report(report: BenchReport) -> str:
     lim = report.limits
     launch = ", programmatic dependent launch" if report.dependent_launch else ""
+    if report.kv_dtype is not None:
+        launch += f", {report.kv_dtype} KV, {report.state_dtype} recurrent state"
     lines = [f"{report.model} on {lim.device} ({report.runner} runner{launch}): weights "
              f"{report.weight_bytes / 2**20:.1f} MiB as held in memory",
              f"limits measured now: read {lim.read_bytes_per_second / 1e9:.1f} GB/s, "

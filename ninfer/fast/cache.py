@@ -151,6 +151,7 @@ class SequenceCache:
         self.slots = slots
         self.max_verify_tokens = max_verify_tokens
         self.kv_dtype = kv_dtype
+        self.state_dtype = state_dtype
         self.max_pages = math.ceil(max_context / page)
         pages = math.ceil(kv_tokens / page) + 1  # + the scratch page 0
         dtype = float_dtype if kv_dtype == "bf16" else KV_DTYPES[kv_dtype]  # "bf16": pages in the activation dtype
