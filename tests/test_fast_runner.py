@@ -238,6 +238,7 @@ def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
     conv = sum(t != "full_attention" for t in config.layer_types) * config.conv_dim * (config.conv_kernel - 1) * 2
     narrow = plan_memory(config, 10**8, 10**10, **options, state_dtype="bf16")
     assert narrow.state - 5 * conv == (roomy.state - 5 * conv) // 2  # 4 slots + scratch: bf16 recurrent state
+    assert "(4 slots, bf16)" in narrow.describe() and "(4 slots, fp32)" in roomy.describe()
     with pytest.raises(NinferError, match="unknown recurrent-state dtype 'fp16'"):
         plan_memory(config, 10**8, 10**10, **options, state_dtype="fp16")
     with pytest.raises(MemoryPlanError, match=r"does not fit.*lower --max-context"):

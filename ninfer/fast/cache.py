@@ -72,6 +72,7 @@ class MemoryPlan:
     kv_tokens: int
     slots: int
     margin: int
+    state_dtype: str = "fp32"
 
     @property
     def total(self) -> int:
@@ -80,7 +81,7 @@ class MemoryPlan:
     def describe(self) -> str:
         gib = 2**30
         return (f"weights {self.weights / gib:.2f} GiB + KV {self.kv / gib:.2f} GiB ({self.kv_tokens} tokens) + "
-                f"recurrent state {self.state / gib:.2f} GiB ({self.slots} slots) + workspace "
+                f"recurrent state {self.state / gib:.2f} GiB ({self.slots} slots, {self.state_dtype}) + workspace "
                 f"{self.workspace / gib:.2f} GiB = {self.total / gib:.2f} GiB of {self.free / gib:.2f} GiB free")
 
 
@@ -106,7 +107,7 @@ def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int,
     room = free - keep - weight_bytes - state - workspace
     ceiling = slots * math.ceil(max_context / page) * page
     tokens = min(ceiling, room // per_token) if kv_capacity is None else kv_capacity
-    plan = MemoryPlan(weight_bytes, tokens * per_token, state, workspace, free, tokens, slots, keep)
+    plan = MemoryPlan(weight_bytes, tokens * per_token, state, workspace, free, tokens, slots, keep, state_dtype)
     if tokens < max_context or plan.total > free - keep:
         gib = 2**30
         raise MemoryPlanError(
