@@ -78,9 +78,9 @@ class LLM:
                  prefill_chunk: int = PREFILL_CHUNK, progress: bool = False):
         """`runner`: "auto" (the fast path on CUDA when the model suits it), "fast" or "reference". The fast path's
         options: `kv_dtype` (bf16 / int8 / fp8), `state_dtype` (the GDN recurrent state as stored: fp32 / bf16),
-        `kv_capacity` (KV tokens over all sequences; default: what the
-        free memory holds, up to `max_sequences` full contexts), `max_sequences` (state slots = the largest
-        decode batch), `prefill_chunk`; its context defaults to min(the model's, FAST_DEFAULT_CONTEXT)."""
+        `kv_capacity` (KV tokens over all sequences; default: what the free memory holds, up to `max_sequences`
+        full contexts), `max_sequences` (state slots = the largest decode batch), `prefill_chunk`; its context
+        defaults to min(the model's, FAST_DEFAULT_CONTEXT)."""
         started = time.perf_counter()
         self.path = Path(model) if model is not None else DEFAULT_ARTIFACT
         self.device = parse_device(device)
@@ -100,8 +100,7 @@ class LLM:
                 self.model = FastQwen35.from_artifact(
                     artifact, self.device, max_sequences=max_sequences, max_context=context,
                     kv_capacity=kv_capacity, kv_dtype=kv_dtype, state_dtype=state_dtype, prefill_chunk=prefill_chunk,
-                    dtype=self.dtype,
-                    progress=progress)
+                    dtype=self.dtype, progress=progress)
                 max_context = context
             else:
                 self.model = Qwen35Model.from_artifact(artifact, self.device, self.dtype)

@@ -137,16 +137,15 @@ class FastQwen35:
     def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cuda", *, max_sequences: int = 8,
                       max_context: int = 32768, kv_capacity: int | None = None, kv_dtype: str = "bf16",
                       state_dtype: str = "fp32", prefill_chunk: int = 4096, dtype: torch.dtype = torch.bfloat16,
-                      graphs: bool = True,
-                      max_verify_tokens: int = 0, int8_activations: bool = True,
+                      graphs: bool = True, max_verify_tokens: int = 0, int8_activations: bool = True,
                       progress: bool = False) -> FastQwen35:
         """Plan the memory (refusing what does not fit before loading anything), then load the weights and
         allocate the pools. `dtype` is the activation dtype (bf16; fp32 serves the CPU tests under the Triton
         interpreter) and the dtype of "bf16" KV pages. `state_dtype` is the GDN recurrent state's as pooled (fp32 or
-        bf16; computed in fp32 either way). `max_verify_tokens` > 0 reserves GDN snapshot slots for
-        `verify` steps of up to that many draft tokens per sequence. `int8_activations=False` gives decode and
-        verify steps the prefill's exact numerics (every product through the decoded weights: slow, and the head's
-        decoded matrix needs its size in scratch) — for checking the fast path against the reference."""
+        bf16; computed in fp32 either way). `max_verify_tokens` > 0 reserves GDN snapshot slots for `verify` steps
+        of up to that many draft tokens per sequence. `int8_activations=False` gives decode and verify steps the
+        prefill's exact numerics (every product through the decoded weights: slow, and the head's decoded matrix
+        needs its size in scratch) — for checking the fast path against the reference."""
         config = TextConfig.from_dict(artifact.components["text"]["config"])
         device = torch.device(device)
         objects = [o for o in artifact.objects if o.kind == "tensor" and o.component == "text"]

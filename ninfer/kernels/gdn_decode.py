@@ -314,10 +314,10 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
     conv_state `[S, C, K-1]` in x's dtype (any strides); a_log, dt_bias `[v_heads]`; norm_weight `[v_dim]`; state
     `[S, v_heads, k_dim, v_dim]` fp32 or bf16 (any strides: a bf16 pool is read into fp32, and S is rounded to
     bf16 after every token, as stored, before the next token reads it; o is read from S before that rounding);
-    slots `[B]` int32/int64; slots and snapshot slots all
-    distinct, in [0, S) of both pools (not checked: no host sync); v_heads a multiple of k_heads. All on one
-    device. Returns out `[B·T, v_heads·v_dim]` in x's dtype; with `quantize`, as `Int8Activations` (the output
-    projection's input: its records made by the norm kernel when v_dim is a multiple of 32, else by the quantizer).
+    slots `[B]` int32/int64; slots and snapshot slots all distinct, in [0, S) of both pools (not checked: no host
+    sync); v_heads a multiple of k_heads. All on one device. Returns out `[B·T, v_heads·v_dim]` in x's dtype; with
+    `quantize`, as `Int8Activations` (the output projection's input: its records made by the norm kernel when v_dim
+    is a multiple of 32, else by the quantizer).
 
     Up to FUSED_CONV_SEQUENCES sequences, two launches. The delta rule over (sequence, value head, DELTA_BLOCK_V
     state columns) — a column of S evolves on its own, so a head's [k_dim, v_dim] state splits into independent
