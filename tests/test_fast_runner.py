@@ -50,6 +50,18 @@ def _relative(got, expected):
     return float((got - expected).abs().max() / expected.abs().max())
 
 
+def _prompt_then_one_step_error(reference, fast) -> float:
+    """PROMPT through both models, then one decode step of the reference's greedy token (the reference with int8
+    activations, as the fast path's decode step): the step's largest logit error relative to the largest logit."""
+    ref_state, fast_state = reference.new_state(64), fast.new_state(64)
+    expected = reference.forward(torch.tensor(PROMPT), ref_state)
+    fast.forward(torch.tensor(PROMPT), fast_state)
+    token = torch.tensor([int(expected.argmax())])
+    with int8_activations(reference, DENSE):
+        expected = reference.forward(token, ref_state)
+    return _relative(fast.forward(token, fast_state), expected)
+
+
 def _greedy_alone(fast, ids: list[int], tokens: int, ends: list[int] | None = None) -> list[int]:
     """`tokens` greedy tokens of the fast runner alone, its prompt prefilled in pieces ending at `ends` (default:
     the whole prompt at once, as the engine does for a request with no stream beside it and no turn boundary)."""
@@ -199,14 +211,7 @@ def test_exact_activations_give_decode_steps_the_references_numerics(path):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_kv_stays_close_to_the_reference(kv_dtype):
-    reference, fast = _models(DENSE, max_sequences=1, kv_dtype=kv_dtype)
-    ref_state, fast_state = reference.new_state(64), fast.new_state(64)
-    expected = reference.forward(torch.tensor(PROMPT), ref_state)
-    fast.forward(torch.tensor(PROMPT), fast_state)
-    token = torch.tensor([int(expected.argmax())])
-    with int8_activations(reference, DENSE):
-        expected = reference.forward(token, ref_state)
-    error = _relative(fast.forward(token, fast_state), expected)
+    error = _prompt_then_one_step_error(*_models(DENSE, max_sequences=1, kv_dtype=kv_dtype))
     assert 0 < error < QUANTIZED_KV_TOLERANCE[kv_dtype]  # nonzero: the pages really are quantized
 
 
@@ -217,13 +222,7 @@ def test_a_bf16_state_pool_stays_close_to_the_reference():
     reference."""
     reference, fast = _models(DENSE, max_sequences=1, prefill_chunk=20, state_dtype="bf16")
     assert fast.cache.recurrent.dtype == torch.bfloat16
-    ref_state, fast_state = reference.new_state(64), fast.new_state(64)
-    expected = reference.forward(torch.tensor(PROMPT), ref_state)
-    fast.forward(torch.tensor(PROMPT), fast_state)
-    token = torch.tensor([int(expected.argmax())])
-    with int8_activations(reference, DENSE):
-        expected = reference.forward(token, ref_state)
-    assert _relative(fast.forward(token, fast_state), expected) < BF16_STATE_TOLERANCE
+    assert _prompt_then_one_step_error(reference, fast) < BF16_STATE_TOLERANCE
 
 
 def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
