@@ -181,6 +181,38 @@ def test_decode_splits_a_heads_state_into_column_tiles():
                        dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE)
 
 
+@pytest.mark.parametrize("slots", [[1], [2, 0, 3]])
+def test_the_hook_before_the_delta_rule_runs_after_the_conv(slots):
+    """`before_delta_rule` is where the runner joins the graph branch that computes a/b: the delta rule must read
+    a/b as the hook leaves it, and where the conv has a launch of its own (more than FUSED_CONV_SEQUENCES
+    sequences) that launch must already have read x, so the hook may overlap the conv with the branch."""
+    d, B, device = TINY, len(slots), _device()
+    generator = torch.Generator().manual_seed(B)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device)
+
+    x, z, a_b = randn(B, d.channels), randn(B, d.v_heads * d.v_dim), randn(B, 2 * d.v_heads)
+    weight, conv = randn(d.channels, d.conv_kernel), randn(4, d.channels, d.conv_kernel - 1)
+    vectors = (randn(d.v_heads), randn(d.v_heads), randn(d.v_dim))
+    state, slot_tensor = randn(4, d.v_heads, d.k_dim, d.v_dim) * 0.1, torch.tensor(slots, device=device)
+    args = (d.k_heads, d.k_dim, d.v_heads, d.v_dim, EPS)
+    expected_conv, expected_state = conv.clone(), state.clone()
+    expected = gated_delta_decode(x, z, a_b, weight, expected_conv, *vectors, expected_state, slot_tensor, *args)
+    late_a_b, late_x, calls = torch.full_like(a_b, float("nan")), x.clone(), []
+
+    def hook():
+        calls.append(1)
+        late_a_b.copy_(a_b)  # the branch's a/b lands only now
+        if B > gdn_decode.FUSED_CONV_SEQUENCES:
+            late_x.zero_()  # the conv launch has read x already
+
+    got = gated_delta_decode(late_x, z, late_a_b, weight, conv, *vectors, state, slot_tensor, *args,
+                             before_delta_rule=hook)
+    assert calls == [1]
+    assert torch.equal(got, expected) and torch.equal(state, expected_state) and torch.equal(conv, expected_conv)
+
+
 # records made by the norm kernel, with a zero record padding 96 lanes to 128, and by the quantizer after it
 @pytest.mark.parametrize(("v_heads", "v_dim"), [(4, 64), (3, 32), (4, 24)])
 def test_decode_output_comes_with_the_quantizers_records(v_heads, v_dim):

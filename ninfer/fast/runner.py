@@ -496,15 +496,24 @@ class FastQwen35:
                 project(source, [query_key], outs[:1])
             a_b = self._gdn_a_b(source, a_b)
         project(source, [query_key, value_z] if one_launch else [value_z], outs if one_launch else outs[1:])
-        self.branches.join()
-        self._prefetch([prefix + "output"])
+
+        def joined() -> None:
+            self.branches.join()
+            self._prefetch([prefix + "output"])
+
+        # the branch's a/b is first read by the delta rule: with q|k in v|z's launch, the conv (a launch of its own
+        # above one sequence) reads nothing from the branch and runs before the join, under PDL
+        if not one_launch:
+            joined()
+
         index = self.cache.gdn_index[layer]
         o = gated_delta_decode(projected[:, : key_columns + value_rows], projected[:, key_columns + value_rows :], a_b,
                                self.vectors[prefix + "convolution"], self.cache.conv[index],
                                self.vectors[prefix + "a_log"], self.vectors[prefix + "dt_bias"],
                                self.vectors[prefix + "norm"], self.cache.recurrent[index], slots, c.k_heads, c.k_dim,
                                c.v_heads, c.v_dim, c.rms_eps, tokens=tokens, snapshot_slots=snapshots,
-                               quantize=self._quantizes_for(output, projected, self.int8_activations))
+                               quantize=self._quantizes_for(output, projected, self.int8_activations),
+                               before_delta_rule=joined if one_launch else None)
         return self._linear(output, o, self.int8_activations)
 
     @staticmethod

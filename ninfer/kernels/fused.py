@@ -46,20 +46,26 @@ if triton is not None:
                              SLICE: tl.constexpr, PDL: tl.constexpr):
         lanes = tl.program_id(1) * SLICE + tl.arange(0, SLICE)  # the lanes this program writes (SLICE == BLOCK: all)
         w = tl.load(w_ptr + lanes, mask=lanes < D, other=0.0)  # no kernel writes a norm weight: read before the wait
-        wait_for_inputs(PDL)
         # every program of a row reduces the whole row (the same bits in each), then writes its SLICE of lanes
         row = tl.program_id(0).to(tl.int64)
-        if SLICE != BLOCK:  # this program's lanes, loaded with the row (both loads in flight at once)
-            d_slice = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
-            ok_slice = d_slice < D
-            x_slice = tl.load(x_ptr + row * stride_x + d_slice, mask=ok_slice, other=0.0)
-            if HAS_H:
-                h_slice = tl.load(h_ptr + row * stride_h + d_slice, mask=ok_slice, other=0.0)
         d = tl.arange(0, BLOCK)
         ok = d < D
-        x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+        d_slice = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+        ok_slice = d_slice < D
+        if HAS_H:  # x is the residual, which only earlier kernels write (`add_rms_norm`): read before the wait
+            x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+            if SLICE != BLOCK:  # this program's lanes, loaded with the row (both loads in flight at once)
+                x_slice = tl.load(x_ptr + row * stride_x + d_slice, mask=ok_slice, other=0.0)
+        wait_for_inputs(PDL)
+        if SLICE != BLOCK:
+            if HAS_H:
+                h_slice = tl.load(h_ptr + row * stride_h + d_slice, mask=ok_slice, other=0.0)
+            else:
+                x_slice = tl.load(x_ptr + row * stride_x + d_slice, mask=ok_slice, other=0.0)
         if HAS_H:
             x = (x + tl.load(h_ptr + row * stride_h + d, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
         if SLICE != BLOCK:  # the slice's sum again (the same bits as in the row)
@@ -169,7 +175,10 @@ def _check(name: str, *tensors: Tensor) -> None:
 def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
                  quantize: bool = False) -> tuple[Tensor, Tensor | Int8Activations]:
     """(s, rms_norm(s)) with s = x + h (or s = x when h is None); see the module docstring. With `quantize`, the
-    norm comes as `Int8Activations` (its int8 records made in the same pass, equal to `quantize_activations`'s)."""
+    norm comes as `Int8Activations` (its int8 records made in the same pass, equal to `quantize_activations`'s).
+    Under PDL, with h given, the kernel reads x (the residual) before it waits for the kernel launched before it
+    (`kernels.dependent_launch`'s rule): callers must not write x with that kernel (in the runner that kernel
+    writes h, the mixer's or the MLP's output, and x comes from the norm before)."""
     _check("add_rms_norm", x, *([h] if h is not None else []))
     rows, width = x.shape
     total = torch.empty((rows, width), dtype=x.dtype, device=x.device) if h is not None else x

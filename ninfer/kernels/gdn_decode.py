@@ -18,6 +18,8 @@ within a call: two rows on one slot race. Under TRITON_INTERPRET=1 they run on t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -288,7 +290,8 @@ def _check_snapshots(name: str, snapshots: Tensor | None, sequences: int, tokens
 def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor], conv_weight: Tensor,
                        conv_state: Tensor, a_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, state: Tensor,
                        slots: Tensor, k_heads: int, k_dim: int, v_heads: int, v_dim: int, eps: float, tokens: int = 1,
-                       snapshot_slots: Tensor | None = None, quantize: bool = False) -> Tensor | Int8Activations:
+                       snapshot_slots: Tensor | None = None, quantize: bool = False,
+                       before_delta_rule: Callable[[], None] | None = None) -> Tensor | Int8Activations:
     """`tokens` Gated DeltaNet tokens per sequence from the input projections: the causal conv on the pooled windows,
     gates, delta-rule steps on the pooled state, gated norm. Rows b·T … b·T + T − 1 are sequence b's tokens in
     order; each row is one step below.
@@ -326,7 +329,10 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
     gated norm over whole heads (it needs all of a head's o) writes the int8 records and moves the windows on, once
     every delta-rule program is done. More sequences take three: the conv in a launch of its own (which moves the
     windows on), then the delta rule on its output, then the norm. The products are the same in both (written out
-    as FMAs), so a token's bits do not depend on the route.
+    as FMAs), so a token's bits do not depend on the route. `before_delta_rule`, when given, is called right before
+    the delta rule's launch, after the conv's where it has one: the runner joins its graph branch there, since the
+    a/b projection computed beside the input projections is first read by the delta rule, and the conv launch
+    needs only x.
 
     Under PDL the launches read before they wait for the kernel before them (`kernels.dependent_launch`'s rule):
     the delta rule `slots` and, for up to EARLY_STATE_SEQUENCES sequences, its state tiles, windows and conv
@@ -395,6 +401,8 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
             x, conv_weight, conv_state, slots, snapshots, mixed, C, x.stride(0), conv_weight.stride(0),
             conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), mixed.stride(0),
             K=K, BLOCK_C=CONV_BLOCK_C, T=tokens, SNAPSHOTS=snapshot_slots is not None, **launch_options(x.device))
+    if before_delta_rule is not None:
+        before_delta_rule()
     block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
     delta_block_v = min(block_v, DELTA_BLOCK_V)
     o = torch.empty((rows, width), dtype=x.dtype, device=x.device)
