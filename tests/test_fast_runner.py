@@ -244,6 +244,10 @@ def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
         plan_memory(config, 10**10, 10**10, **options)
 
 
+# the engine over the fast runner runs in the GPU suite only: interpreted it cost CI over two minutes, and its parts
+# run here on their own (the scheduler's batching and prefix reuse over the reference runner in tests/test_engine.py;
+# a batch's rows against the rows alone, and the snapshots' pages, below)
+@pytest.mark.gpu
 def test_engine_batches_decode_steps_on_the_fast_runner(dense):
     """The serving engine over the fast runner: concurrent greedy requests decode together (one decode_batch per
     step, budgets in whole KV pages) and each gets the tokens of the fast runner alone (decode steps do not depend
@@ -326,6 +330,7 @@ def test_runner_choice_and_its_errors():
     assert "head_dim 32 is not a power of two of at least 64" in fast_path_unsupported(narrow, torch.device("cuda"))
 
 
+@pytest.mark.gpu  # see the engine test above
 def test_engine_prefix_reuse_on_the_fast_runner(dense):
     """Two chats sharing a system turn, one after the other, through the engine over the fast runner: the second
     resumes from the snapshot of the first's system block (pages and GDN slot copied) and still produces the fast
