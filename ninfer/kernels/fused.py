@@ -44,14 +44,13 @@ if triton is not None:
     def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, records_ptr, D, stride_x, stride_h, stride_out,
                              eps, record_count, HAS_H: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
                              SLICE: tl.constexpr, PDL: tl.constexpr):
-        lanes = tl.program_id(1) * SLICE + tl.arange(0, SLICE)  # the lanes this program writes (SLICE == BLOCK: all)
-        w = tl.load(w_ptr + lanes, mask=lanes < D, other=0.0)  # no kernel writes a norm weight: read before the wait
+        d_slice = tl.program_id(1) * SLICE + tl.arange(0, SLICE)  # the lanes this program writes (SLICE == BLOCK: all)
+        ok_slice = d_slice < D
+        w = tl.load(w_ptr + d_slice, mask=ok_slice, other=0.0)  # no kernel writes a norm weight: read before the wait
         # every program of a row reduces the whole row (the same bits in each), then writes its SLICE of lanes
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         ok = d < D
-        d_slice = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
-        ok_slice = d_slice < D
         if HAS_H:  # x is the residual, which only earlier kernels write (`add_rms_norm`): read before the wait
             x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
             if SLICE != BLOCK:  # this program's lanes, loaded with the row (both loads in flight at once)
