@@ -4,12 +4,15 @@ int8 image of their input (`activation_quant`), as the fast path's decode and ve
 Inside `int8_activations(reference, path)`, `x @ W.T` and `F.linear(x, W)` with W (or a slice of it, an MoE
 expert) decoded from a groupwise object, for x of at most MAX_GEMV_TOKENS rows, multiply `dequantize(quantize(x))`
 instead of x; every other product is untouched. Use it around the reference's decode steps, and with `head_only`
-around a prefill (the fast path's prefill keeps x as it is except in the head)."""
+around a prefill (the fast path's prefill keeps x as it is except in the head).
+
+`small_artifact` writes the small random-weight models the fast path's CPU tests run under the interpreter."""
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from ninfer.artifact.reader import Artifact
@@ -50,3 +53,20 @@ def int8_activations(reference: Qwen35Model, path: str, head_only: bool = False)
     finally:
         torch.Tensor.__matmul__, torch.nn.functional.linear = matmul, linear
 
+
+
+def small_artifact(path, recipe: str = "q8", moe: bool = False) -> str:
+    """A random-weight artifact at widths the fast path takes (head_dim 64; K of 256 and 512, so a test that lowers
+    the batch GEMV's K tile to 256 lanes sends every matrix there) and that the Triton interpreter runs in about a
+    second a step: 4 layers alternating GDN and attention (each kind twice, so a pool indexed by the wrong layer
+    shows), vocabulary 1,024. Written at `path`; returns it."""
+    from ninfer.convert import synth
+
+    widths = dict(experts=8, top_k=2, expert_width=64, shared_width=64) if moe else dict(intermediate=512)
+    config = synth._text_config(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, k_heads=2, v_heads=4,
+                                k_dim=64, v_dim=64, vocab=1024, tied=False, **widths)
+    config.update(full_attention_interval=2, layer_types=["linear_attention", "full_attention"] * 2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(synth.PRESETS, "test-small", config)
+        synth.synth_artifact("test-small", recipe, path, quiet=True)
+    return str(path)

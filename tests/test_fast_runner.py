@@ -1,6 +1,9 @@
 """The GPU fast path's model runner against the reference model in fp32 — on the CPU under the Triton interpreter
 (CI), on CUDA when there is one: chunked prefill, batched decode, the MoE routes, quantized KV pages, prefix
-snapshots with shared pages, verify steps, the memory plan and slot accounting. Decode steps are compared with the
+snapshots with shared pages, verify steps, the memory plan and slot accounting. The models are small random-weight
+ones (`tests/fast_support.py: small_artifact`, dense and MoE, q8; a decode step about a second interpreted, where
+the demo model's took 12); the engine over the fast runner (GPU only) runs the demo model, whose tokenizer it
+needs. Decode steps are compared with the
 reference whose groupwise products see int8 activations (tests/fast_support.py), as the fast path's integer GEMV
 does; prefill with the reference whose head alone does (the fast path's prefill head is the integer GEMV too).
 The same comparisons at real shapes on CUDA are in tests/test_fast_runner_gpu.py."""
@@ -23,11 +26,10 @@ from ninfer.fast.runner import FastQwen35
 from ninfer.kernels import quant_linear
 from ninfer.model.config import TextConfig
 from ninfer.model.qwen3_5 import Qwen35Model
-from tests.fast_support import int8_activations
+from tests.fast_support import int8_activations, small_artifact
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
-DENSE = "ninfer/assets/demo.ninfer"
-MOE = "data/models/small-moe-q8.ninfer"
+DEMO = "ninfer/assets/demo.ninfer"
 FP32_TOLERANCE = 1e-4  # relative to the largest logit: fp32 on both sides, summation orders differ
 QUANTIZED_KV_TOLERANCE = {"int8": 0.03, "fp8": 0.1}  # KV rounding, relative to the largest logit
 BF16_STATE_TOLERANCE = 0.03  # the GDN state rounded to bf16 after each token, relative to the largest logit
@@ -50,14 +52,14 @@ def _relative(got, expected):
     return float((got - expected).abs().max() / expected.abs().max())
 
 
-def _prompt_then_one_step_error(reference, fast) -> float:
+def _prompt_then_one_step_error(reference, fast, path) -> float:
     """PROMPT through both models, then one decode step of the reference's greedy token (the reference with int8
     activations, as the fast path's decode step): the step's largest logit error relative to the largest logit."""
     ref_state, fast_state = reference.new_state(64), fast.new_state(64)
     expected = reference.forward(torch.tensor(PROMPT), ref_state)
     fast.forward(torch.tensor(PROMPT), fast_state)
     token = torch.tensor([int(expected.argmax())])
-    with int8_activations(reference, DENSE):
+    with int8_activations(reference, path):
         expected = reference.forward(token, ref_state)
     return _relative(fast.forward(token, fast_state), expected)
 
@@ -79,11 +81,27 @@ def _greedy_alone(fast, ids: list[int], tokens: int, ends: list[int] | None = No
 
 
 @pytest.fixture(scope="module")
-def dense():
-    return _models(DENSE, max_sequences=3, prefill_chunk=20)
+def paths(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small")
+    return {"dense": small_artifact(folder / "dense.ninfer"), "moe": small_artifact(folder / "moe.ninfer", moe=True)}
 
 
-def test_chunked_prefill_and_batched_decode_equal_the_reference(dense, monkeypatch):
+@pytest.fixture(scope="module")
+def dense(paths):
+    return _models(paths["dense"], max_sequences=3, prefill_chunk=20)
+
+
+@pytest.fixture(scope="module")
+def moe(paths):
+    return _models(paths["moe"], max_sequences=2, prefill_chunk=60)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return _models(DEMO, max_sequences=3, prefill_chunk=20)
+
+
+def test_chunked_prefill_and_batched_decode_equal_the_reference(dense, paths, monkeypatch):
     """40 tokens: two chunks of 20 through the prefill route (cuBLAS, its head the integer GEMV); 3 tokens: the
     short-prompt route (one pass of the decode kernels, int8 activations in every product); then batched decode."""
     reference, fast = dense
@@ -91,16 +109,16 @@ def test_chunked_prefill_and_batched_decode_equal_the_reference(dense, monkeypat
     prompts = [torch.tensor(PROMPT), torch.tensor([9, 8, 7])]
     ref_states = [reference.new_state(64) for _ in prompts]
     fast_states = [fast.new_state(64) for _ in prompts]
-    with int8_activations(reference, DENSE, head_only=True):
+    with int8_activations(reference, paths["dense"], head_only=True):
         expected = [reference.forward(prompts[0], ref_states[0])]
-    with int8_activations(reference, DENSE):
+    with int8_activations(reference, paths["dense"]):
         expected.append(reference.forward(prompts[1], ref_states[1]))
     got = [fast.forward(p, s) for p, s in zip(prompts, fast_states, strict=True)]
     assert _relative(got[0], expected[0]) < FP32_TOLERANCE
     assert _relative(got[1], expected[1]) < DECODE_TOLERANCE
     for step in range(2):
         tokens = torch.tensor([int(e.argmax()) for e in expected])
-        with int8_activations(reference, DENSE):
+        with int8_activations(reference, paths["dense"]):
             expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
         got = fast.decode_batch(fast_states, tokens)
         for row, e in enumerate(expected):
@@ -108,13 +126,13 @@ def test_chunked_prefill_and_batched_decode_equal_the_reference(dense, monkeypat
     assert [s.length for s in fast_states] == [len(PROMPT) + 2, 5]
 
 
-@pytest.mark.parametrize("path, head", [(DENSE, PROMPT[:20]), (MOE, [])])
-def test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one(path, head, monkeypatch):
+@pytest.mark.parametrize("model, head", [("dense", PROMPT[:20]), ("moe", [])])
+def test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one(model, head, request, monkeypatch):
     """A prompt piece of at most SHORT_PREFILL_TOKENS takes one pass of the decode kernels over its T tokens: the
     logits and the state it leaves are those of T single-token decode steps, bit for bit (the same kernels, which
     do not depend on the row count), after a prefill-route chunk (dense) and from an empty state (MoE)."""
     monkeypatch.setattr(runner, "SHORT_PREFILL_TOKENS", SHORT)
-    _, fast = _models(path, max_sequences=2, prefill_chunk=20)
+    _, fast = request.getfixturevalue(model)
     short, stepped = fast.new_state(64), fast.new_state(64)
     if head:
         fast.forward(torch.tensor(head), short)
@@ -177,25 +195,25 @@ def test_slots_are_bounded_and_returned_when_a_state_is_dropped(dense):
         fast.forward(torch.tensor(PROMPT), fast.new_state(8))
 
 
-def test_moe_prefill_and_decode_routes_equal_the_reference():
-    reference, fast = _models(MOE, max_sequences=2, prefill_chunk=60)
+def test_moe_prefill_and_decode_routes_equal_the_reference(moe, paths):
+    reference, fast = moe
     prompt = torch.tensor(PROMPT * 2)  # chunks of 60 and 20 tokens: the grouped route for both
     ref_state, fast_state = reference.new_state(96), fast.new_state(96)
-    with int8_activations(reference, MOE, head_only=True):
+    with int8_activations(reference, paths["moe"], head_only=True):
         expected = reference.forward(prompt, ref_state)
     got = fast.forward(prompt, fast_state)
     assert _relative(got, expected) < FP32_TOLERANCE
     token = torch.tensor([int(expected.argmax())])  # a decode step: experts gathered per token
-    with int8_activations(reference, MOE):
+    with int8_activations(reference, paths["moe"]):
         expected = reference.forward(token, ref_state)
     assert _relative(fast.forward(token, fast_state), expected) < DECODE_TOLERANCE
 
 
-@pytest.mark.parametrize("path", [DENSE, MOE])
-def test_exact_activations_give_decode_steps_the_references_numerics(path):
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_exact_activations_give_decode_steps_the_references_numerics(model, paths):
     """`int8_activations=False`: batched decode steps (dense MLP or gathered experts, graphs on CUDA) equal the plain
     reference to fp32 rounding — the checking mode the real-shape GPU tests use."""
-    reference, fast = _models(path, max_sequences=2, int8_activations=False)
+    reference, fast = _models(paths[model], max_sequences=2, int8_activations=False)
     prompts = [torch.tensor(PROMPT), torch.tensor([9, 8, 7])]
     ref_states = [reference.new_state(64) for _ in prompts]
     fast_states = [fast.new_state(64) for _ in prompts]
@@ -210,23 +228,24 @@ def test_exact_activations_give_decode_steps_the_references_numerics(path):
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_quantized_kv_stays_close_to_the_reference(kv_dtype):
-    error = _prompt_then_one_step_error(*_models(DENSE, max_sequences=1, kv_dtype=kv_dtype))
+def test_quantized_kv_stays_close_to_the_reference(kv_dtype, paths):
+    models = _models(paths["dense"], max_sequences=1, kv_dtype=kv_dtype)
+    error = _prompt_then_one_step_error(*models, paths["dense"])
     assert 0 < error < QUANTIZED_KV_TOLERANCE[kv_dtype]  # nonzero: the pages really are quantized
 
 
-def test_a_bf16_state_pool_stays_close_to_the_reference():
+def test_a_bf16_state_pool_stays_close_to_the_reference(paths):
     """`state_dtype="bf16"`: the GDN recurrent state pooled in bf16 (computed in fp32, rounded as stored after each
     token; the bits of a several-token call against one-token calls are tests/test_gdn_decode.py's). A prompt through
     the prefill route (two chunks, the state carried through the pool) and a decode step stay close to the fp32
     reference."""
-    reference, fast = _models(DENSE, max_sequences=1, prefill_chunk=20, state_dtype="bf16")
+    reference, fast = _models(paths["dense"], max_sequences=1, prefill_chunk=20, state_dtype="bf16")
     assert fast.cache.recurrent.dtype == torch.bfloat16
-    assert _prompt_then_one_step_error(reference, fast) < BF16_STATE_TOLERANCE
+    assert _prompt_then_one_step_error(reference, fast, paths["dense"]) < BF16_STATE_TOLERANCE
 
 
 def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
-    with Artifact.open(DENSE) as artifact:
+    with Artifact.open(DEMO) as artifact:
         config = TextConfig.from_dict(artifact.components["text"]["config"])
     options = dict(slots=4, max_context=1000, kv_capacity=None, kv_dtype="bf16", prefill_chunk=256)
     roomy = plan_memory(config, 10**8, 10**10, **options)
@@ -248,7 +267,7 @@ def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
 # run here on their own (the scheduler's batching and prefix reuse over the reference runner in tests/test_engine.py;
 # a batch's rows against the rows alone, and the snapshots' pages, below)
 @pytest.mark.gpu
-def test_engine_batches_decode_steps_on_the_fast_runner(dense):
+def test_engine_batches_decode_steps_on_the_fast_runner(demo):
     """The serving engine over the fast runner: concurrent greedy requests decode together (one decode_batch per
     step, budgets in whole KV pages) and each gets the tokens of the fast runner alone (decode steps do not depend
     on the batch); slots return."""
@@ -258,7 +277,7 @@ def test_engine_batches_decode_steps_on_the_fast_runner(dense):
     from ninfer.engine.scheduler import Engine, Request
     from ninfer.sampling import SamplingParams
 
-    _, fast = dense
+    _, fast = demo
     llm = LLM(device=DEVICE, dtype=torch.float32, runner="reference")  # the demo model, then the fast runner
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompts = [llm.tokenizer.encode(f"def f{i}(x):\n    return") for i in range(3)]
@@ -291,18 +310,12 @@ def test_engine_batches_decode_steps_on_the_fast_runner(dense):
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "q4", "bf16"])
-def test_every_recipe_runs_on_the_fast_path(tmp_path, monkeypatch, recipe):
+def test_every_recipe_runs_on_the_fast_path(tmp_path, recipe):
     """fp8 rows (FP8 GEMV, decoded prefill rows), the q4 mix (q4/q5/q6/q8 GEMV and dequantized prefill) and bf16
-    (cuBLAS) on a small model with attention heads the fast path takes (head_dim 64)."""
-    from ninfer.convert import synth
-
-    config = synth._text_config(layers=4, hidden=128, heads=4, kv_heads=2, head_dim=64, k_heads=2, v_heads=4,
-                                k_dim=32, v_dim=32, vocab=320, tied=False, intermediate=192)
-    monkeypatch.setitem(synth.PRESETS, "test-hd64", config)
-    path = tmp_path / f"{recipe}.ninfer"
-    synth.synth_artifact("test-hd64", recipe, path, quiet=True)
+    (cuBLAS) on the small model (q8 in the other tests)."""
+    path = small_artifact(tmp_path / f"{recipe}.ninfer", recipe)
     reference, fast = _models(path, max_sequences=1)
-    prompt = torch.tensor(PROMPT[:23]) % 320  # 23 tokens: the prefill route of every matrix
+    prompt = torch.tensor(PROMPT[:23])  # 23 tokens: the prefill route of every matrix
     ref_state, fast_state = reference.new_state(32), fast.new_state(32)
     with int8_activations(reference, path, head_only=True):
         expected = reference.forward(prompt, ref_state)
@@ -322,7 +335,7 @@ def test_runner_choice_and_its_errors():
         LLM(runner="fast")
     with pytest.raises(NinferError, match="unknown runner 'turbo'"):
         LLM(runner="turbo")
-    with Artifact.open(DENSE) as artifact:
+    with Artifact.open(DEMO) as artifact:
         config = TextConfig.from_dict(artifact.components["text"]["config"])
     narrow = TextConfig(**{**config.__dict__, "head_dim": 32})
     if torch.cuda.is_available():
@@ -331,7 +344,7 @@ def test_runner_choice_and_its_errors():
 
 
 @pytest.mark.gpu  # see the engine test above
-def test_engine_prefix_reuse_on_the_fast_runner(dense):
+def test_engine_prefix_reuse_on_the_fast_runner(demo):
     """Two chats sharing a system turn, one after the other, through the engine over the fast runner: the second
     resumes from the snapshot of the first's system block (pages and GDN slot copied) and still produces the fast
     runner's tokens for the request alone, prefilled fresh in the same pieces (cut at the turn boundaries)."""
@@ -341,7 +354,7 @@ def test_engine_prefix_reuse_on_the_fast_runner(dense):
     from ninfer.engine.scheduler import Engine, Request
     from ninfer.sampling import SamplingParams
 
-    _, fast = dense
+    _, fast = demo
     llm = LLM(device=DEVICE, dtype=torch.float32, runner="reference")
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     system = "You write short Python helpers."
@@ -367,13 +380,12 @@ def test_engine_prefix_reuse_on_the_fast_runner(dense):
     assert engine.stats()["prefix_hits"] == 1
 
 
-def test_verify_equals_token_by_token_decode_and_accept_resumes():
+def test_verify_equals_token_by_token_decode_and_accept_resumes(paths):
     """A verify step of T draft tokens gives the bits of T single-token decode steps; accepting j of them leaves
     each sequence exactly where decoding those j tokens would (GDN state from the verify snapshots). On the dense
     model only: snapshots and accept do not depend on the MLP, and the MoE's T-row pass of the decode kernels is
-    `test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one`'s (interpreted, each model costs CI
-    over a minute here)."""
-    _, fast = _models(DENSE, max_sequences=6, max_verify_tokens=2)
+    `test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one`'s."""
+    _, fast = _models(paths["dense"], max_sequences=6, max_verify_tokens=2)
     prompts = [torch.tensor(PROMPT[:9]), torch.tensor(PROMPT[9:14])]
     drafts = torch.tensor([[11, 12], [21, 22]])
     verified = [fast.new_state(32) for _ in prompts]
@@ -401,15 +413,15 @@ def test_verify_equals_token_by_token_decode_and_accept_resumes():
         fast.verify(verified, torch.zeros((2, 3), dtype=torch.long))
 
 
-def test_a_batch_wider_than_the_batch_routes_token_tile_gives_each_sequence_its_own_bits(monkeypatch):
-    """10 rows through the batch GEMV route — its K tile lowered to 256 lanes so that the demo model's matrices take
+def test_a_batch_wider_than_the_batch_routes_token_tile_gives_each_sequence_its_own_bits(paths, monkeypatch):
+    """10 rows through the batch GEMV route — its K tile lowered to 256 lanes so that the small model's matrices take
     it here — in two token tiles (8 + 2, the second masked), against the row decoded alone: the same bits over two
     steps, so what else is batched never changes a sequence's tokens."""
     monkeypatch.setattr(quant_linear, "BATCH_BLOCK_K", 256)
     routes = []
     route = quant_linear.gemv_route
     monkeypatch.setattr(quant_linear, "gemv_route", lambda *args: routes.append(route(*args)) or routes[-1])
-    _, fast = _models(DENSE, max_sequences=10)
+    _, fast = _models(paths["dense"], max_sequences=10)
     steps = [torch.arange(10) + 3, torch.arange(10) * 7 + 40]
     states = [fast.new_state(4) for _ in range(10)]
     batch = [fast.decode_batch(states, tokens) for tokens in steps]
