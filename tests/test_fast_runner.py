@@ -1,12 +1,11 @@
 """The GPU fast path's model runner against the reference model in fp32 — on the CPU under the Triton interpreter
 (CI), on CUDA when there is one: chunked prefill, batched decode, the MoE routes, quantized KV pages, prefix
 snapshots with shared pages, verify steps, the memory plan and slot accounting. The models are small random-weight
-ones (`tests/fast_support.py: small_artifact`, dense and MoE, q8; a decode step about a second interpreted, where
-the demo model's took 12); the engine over the fast runner (GPU only) runs the demo model, whose tokenizer it
-needs. Decode steps are compared with the
-reference whose groupwise products see int8 activations (tests/fast_support.py), as the fast path's integer GEMV
-does; prefill with the reference whose head alone does (the fast path's prefill head is the integer GEMV too).
-The same comparisons at real shapes on CUDA are in tests/test_fast_runner_gpu.py."""
+ones (`tests/fast_support.py: small_artifact`, dense and MoE, q8: an interpreted decode step takes about 3 s, the
+demo model's 12); the engine over the fast runner (GPU only) runs the demo model, whose tokenizer it needs. Decode
+steps are compared with the reference whose groupwise products see int8 activations (tests/fast_support.py), as
+the fast path's integer GEMV does; prefill with the reference whose head alone does (the fast path's prefill head
+is the integer GEMV too). The same comparisons at real shapes on CUDA are in tests/test_fast_runner_gpu.py."""
 
 from __future__ import annotations
 
