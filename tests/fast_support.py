@@ -54,11 +54,10 @@ def int8_activations(reference: Qwen35Model, path: str, head_only: bool = False)
         torch.Tensor.__matmul__, torch.nn.functional.linear = matmul, linear
 
 
-
 def small_artifact(path, recipe: str = "q8", moe: bool = False) -> str:
     """A random-weight artifact at widths the fast path takes (head_dim 64; K of 256 and 512, so a test that lowers
-    the batch GEMV's K tile to 256 lanes sends every matrix there) and that the Triton interpreter runs in about a
-    second a step: 4 layers alternating GDN and attention (each kind twice, so a pool indexed by the wrong layer
+    the batch GEMV's K tile to 256 lanes sends every matrix there) and that the Triton interpreter runs in about 3 s a
+    decode step: 4 layers alternating GDN and attention (each kind twice, so a pool indexed by the wrong layer
     shows), vocabulary 1,024. Written at `path`; returns it."""
     from ninfer.convert import synth
 

@@ -502,11 +502,10 @@ class FastQwen35:
             self._prefetch([prefix + "output"])
 
         # the branch's a/b is first read by the delta rule: with q|k in v|z's launch, the conv (a launch of its own
-        # above one sequence) reads nothing from the branch and runs before the join, under PDL
-        before_delta_rule = joined
-        if not one_launch:  # q|k, made in the branch, is the conv's input too
+        # above one sequence) reads nothing from the branch and runs before the join, under PDL; else q|k, made in
+        # the branch, is the conv's input too
+        if not one_launch:
             joined()
-            before_delta_rule = None
 
         index = self.cache.gdn_index[layer]
         o = gated_delta_decode(projected[:, : key_columns + value_rows], projected[:, key_columns + value_rows :], a_b,
@@ -515,7 +514,7 @@ class FastQwen35:
                                self.vectors[prefix + "norm"], self.cache.recurrent[index], slots, c.k_heads, c.k_dim,
                                c.v_heads, c.v_dim, c.rms_eps, tokens=tokens, snapshot_slots=snapshots,
                                quantize=self._quantizes_for(output, projected, self.int8_activations),
-                               before_delta_rule=before_delta_rule)
+                               before_delta_rule=joined if one_launch else None)
         return self._linear(output, o, self.int8_activations)
 
     @staticmethod
