@@ -2,7 +2,7 @@
 (CI), on CUDA when there is one: chunked prefill, batched decode, the MoE routes, quantized KV pages, prefix
 snapshots with shared pages, verify steps, the memory plan and slot accounting. The models are small random-weight
 ones (`tests/fast_support.py: small_artifact`, dense and MoE, q8: an interpreted decode step takes about 3 s, the
-demo model's 12); the engine over the fast runner (GPU only) runs the demo model, whose tokenizer it needs. Decode
+demo model's 8–9 s); the engine over the fast runner (GPU only) runs the demo model, whose tokenizer it needs. Decode
 steps are compared with the reference whose groupwise products see int8 activations (tests/fast_support.py), as
 the fast path's integer GEMV does; prefill with the reference whose head alone does (the fast path's prefill head
 is the integer GEMV too). The same comparisons at real shapes on CUDA are in tests/test_fast_runner_gpu.py."""
