@@ -57,6 +57,7 @@ class BenchReport:
     prefill: list[dict[str, float]] = field(default_factory=list)
     decode: list[dict[str, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0
+    graph_memory_bytes: int = 0  # the fast path's decode graphs' pool (reserved by their captures)
 
 
 def _timed(device: torch.device, work, repeats: int = 5) -> float:
@@ -195,6 +196,7 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
                                   "fraction_of_bandwidth_limit": floor / (seconds / steps)})
     if device.type == "cuda":
         report.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+        report.graph_memory_bytes = getattr(model, "graph_bytes", 0)
     return report
 
 
@@ -216,7 +218,9 @@ def format_report(report: BenchReport) -> str:
         lines.append(f"         {row['batch']:>6}  {row['tokens_per_second']:>9.1f}  "
                      f"{1000 * row['seconds_per_step']:>8.2f}   {row['fraction_of_bandwidth_limit']:.3f}")
     if report.peak_memory_bytes:
-        lines.append(f"peak device memory {report.peak_memory_bytes / 2**30:.2f} GiB")
+        lines.append(f"peak device memory {report.peak_memory_bytes / 2**30:.2f} GiB"
+                     + (f", decode graphs {report.graph_memory_bytes / 2**20:.1f} MiB"
+                        if report.graph_memory_bytes else ""))
     return "\n".join(lines)
 
 

@@ -34,6 +34,13 @@ KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the GDN recurrent state as pooled
 SCALE_GROUP = 64
 PAGE = 64  # positions per KV page
+# decode graphs' batch sizes: a step of B sequences replays the graph of the smallest bucket ≥ B, whose padding
+# rows cost what live ones do, so every size up to the default 8 slots has its own graph (27B: 3 sequences 6.95 ms
+# a step against 7.30 in the 4-row graph; docs/performance.md, thirty-fifth session)
+DECODE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+# the decode graphs' step buffers in their shared pool, beyond their logits (27B on the H200: 14 MiB for the graphs
+# of 8 slots, 36 MiB for 64; `scripts/device/graph_memory.py`)
+GRAPH_POOL_BYTES = 64 * 2**20
 
 
 class MemoryPlanError(NinferError):
@@ -42,6 +49,11 @@ class MemoryPlanError(NinferError):
 
 class CacheFullError(NinferError):
     """No free sequence slot or not enough free KV pages for a new sequence."""
+
+
+def decode_buckets(slots: int) -> list[int]:
+    """The batch sizes of the decode graphs for `slots` sequence slots: DECODE_BUCKETS below it, and `slots`."""
+    return [b for b in DECODE_BUCKETS if b < slots] + [slots]
 
 
 def kv_bytes_per_token(config: TextConfig, kv_dtype: str) -> int:
@@ -68,6 +80,7 @@ class MemoryPlan:
     kv: int
     state: int
     workspace: int
+    graphs: int
     free: int
     kv_tokens: int
     slots: int
@@ -76,13 +89,14 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.state + self.workspace
+        return self.weights + self.kv + self.state + self.workspace + self.graphs
 
     def describe(self) -> str:
         gib = 2**30
         return (f"weights {self.weights / gib:.2f} GiB + KV {self.kv / gib:.2f} GiB ({self.kv_tokens} tokens) + "
                 f"recurrent state {self.state / gib:.2f} GiB ({self.slots} slots, {self.state_dtype}) + workspace "
-                f"{self.workspace / gib:.2f} GiB = {self.total / gib:.2f} GiB of {self.free / gib:.2f} GiB free")
+                f"{self.workspace / gib:.2f} GiB + decode graphs {self.graphs / gib:.2f} GiB = "
+                f"{self.total / gib:.2f} GiB of {self.free / gib:.2f} GiB free")
 
 
 def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int, max_context: int,
@@ -97,17 +111,20 @@ def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int,
     state = (slots * (1 + max_verify_tokens) + 1) * state_bytes_per_slot(config, state_dtype)
     per_token = kv_bytes_per_token(config, kv_dtype)
     # workspace: the largest dequantized prefill matrix, prefill activations (a few [chunk, width] tensors) and the
-    # logits of a decode batch and of a prefill's last row
+    # logits of an eager decode batch and of a prefill's last row
     widths = (config.hidden, config.intermediate or 2 * config.expert_width * max(config.top_k, 1), config.conv_dim,
               2 * config.heads * config.head_dim)
     largest_matrix = max(config.vocab * config.hidden, 2 * config.intermediate * config.hidden,
                          config.conv_dim * config.hidden)
     workspace = largest_matrix * 2 + 8 * prefill_chunk * max(widths) * 4 + 2 * slots * config.vocab * 4
+    # decode graphs: the logits every graph keeps, and their shared pool's step buffers (GRAPH_POOL_BYTES)
+    graphs = sum(decode_buckets(slots)) * config.vocab * 4 + GRAPH_POOL_BYTES
     keep = int(free * margin)
-    room = free - keep - weight_bytes - state - workspace
+    room = free - keep - weight_bytes - state - workspace - graphs
     ceiling = slots * math.ceil(max_context / page) * page
     tokens = min(ceiling, room // per_token) if kv_capacity is None else kv_capacity
-    plan = MemoryPlan(weight_bytes, tokens * per_token, state, workspace, free, tokens, slots, keep, state_dtype)
+    plan = MemoryPlan(weight_bytes, tokens * per_token, state, workspace, graphs, free, tokens, slots, keep,
+                      state_dtype)
     if tokens < max_context or plan.total > free - keep:
         gib = 2**30
         raise MemoryPlanError(

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory, synchronize
 from ninfer.fast.branches import Branches
-from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
+from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, decode_buckets, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch, is_packed, project, shared_input, shares_launch
 from ninfer.kernels.activation_quant import Int8Activations
 from ninfer.kernels.attention import prefill_attention
@@ -53,7 +53,6 @@ except ImportError:  # pragma: no cover - depends on the environment
     chunk_gated_delta_rule = None
 
 FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's matrices that read its input
 # prompt pieces of up to this many tokens take the decode kernels (`_steps`) instead of the prefill route: the gated
 # delta step unrolls its T tokens (one compiled kernel per T, all made by `warm_up`). Off (0) under the interpreter,
@@ -109,9 +108,10 @@ class FastQwen35:
         self.head = linears["output_head"] if "output_head" in linears else linears["token_embedding"]
         self.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta).to(self.device)
         self.max_batch = cache.slots
-        self.buckets = [b for b in DEFAULT_BUCKETS if b < self.max_batch] + [self.max_batch]
+        self.buckets = decode_buckets(self.max_batch)  # the graphs share one memory pool (`_graph`)
         self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_pool = None  # the memory pool every decode graph captures into (made on the first capture)
         self.prefetches: dict[tuple[str, ...], L2Prefetch | None] = {}
         self.use_graphs = graphs and self.device.type == "cuda"
         self.branches = Branches(self.device)  # independent work of a captured step runs as a second graph branch
@@ -123,6 +123,14 @@ class FastQwen35:
     @property
     def page(self) -> int:
         return self.cache.page
+
+    @property
+    def graph_bytes(self) -> int:
+        """Device bytes the decode graphs' memory pool holds (its segments in the caching allocator)."""
+        if self.graph_pool is None:
+            return 0
+        return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+                   if tuple(segment["segment_pool_id"]) == tuple(self.graph_pool))
 
     @property
     def weight_bytes(self) -> int:
@@ -183,7 +191,7 @@ class FastQwen35:
         for length in (*WARM_UP_LENGTHS, long, *range(2, SHORT_PREFILL_TOKENS + 1)):
             self.forward(torch.arange(1, length + 1, device=self.device) % self.config.vocab, self.new_state(length))
         limit = min(max_batch or self.max_batch, len(self.cache.free_slots))
-        for bucket in (b for b in self.buckets if b <= limit):
+        for bucket in sorted((b for b in self.buckets if b <= limit), reverse=True):  # the largest pool use first
             states = [self.new_state(2) for _ in range(bucket)]
             self.decode_batch(states, torch.ones(bucket, dtype=torch.long, device=self.device))
             del states
@@ -337,6 +345,11 @@ class FastQwen35:
             state.pending = 0
 
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The decode graph of `bucket` rows, captured on first use. Every graph captures into one memory pool:
+        a step's buffers live only inside its replay, and replays run one at a time on one stream, so a graph may
+        reuse what another's capture freed (CUDA-graph pool sharing, as vLLM shares one pool across its batch
+        sizes); only each graph's logits stay held. Capturing the largest bucket first (`warm_up`) lets the
+        smaller ones fit in its blocks."""
         if bucket not in self.graphs:
             saved = self.inputs.clone()  # capture runs the step on padding rows only, then restores the inputs
             self.inputs[0].zero_()
@@ -348,7 +361,8 @@ class FastQwen35:
                 self._decode(bucket)  # compiles the kernels outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
                 logits = self._decode(bucket)
             self.graphs[bucket] = (graph, logits)
             self.inputs.copy_(saved)

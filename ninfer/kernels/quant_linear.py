@@ -799,7 +799,10 @@ class _Product:
                              f"{list(out.shape)} strides {out.stride()} on {out.device}")
         self.out = out
         self.bias = 0 if self.codec.bits == 8 else 0x01010101 << (self.codec.bits - 1)  # the code offset per byte
-        self.block_t = batch_block_t(self.tokens, self.codec.bits, self.k_pad)
+        # the batch route's tile choices go by the token tile a program fills, the next power of two: 5-7 tokens
+        # run the 8-token tile the H200 sweeps tuned at 8 (masked rows cost what live ones do), 3 the 4-token one
+        self.tile_tokens = 1 << (self.tokens - 1).bit_length()
+        self.block_t = batch_block_t(self.tile_tokens, self.codec.bits, self.k_pad)
 
     def batch(self, block_n: int | None = None, block_t: int | None = None, depth: int | None = None,
               unroll: int | None = None, chain: int | None = None,
@@ -807,8 +810,9 @@ class _Product:
         """The batch route's launch for this product: (programs, the kernel's per-matrix arguments, its per-matrix
         constants)."""
         bits = self.codec.bits
-        block_n = block_n or (256 if INTERPRETED else batch_block_n(self.tokens, bits))
-        default_depth, default_unroll = batch_pipeline(self.tokens, self.n, self.k_pad, bits)
+        tiles = self.tile_tokens
+        block_n = block_n or (256 if INTERPRETED else batch_block_n(tiles, bits))
+        default_depth, default_unroll = batch_pipeline(tiles, self.n, self.k_pad, bits)
         # `_load_blocks` reads the high plane as int32 words and the scales as their fp16 bits
         high_words, high_row_words = (self.high.view(torch.int32), self.planes[1].row_bytes // 4) \
             if len(self.planes) == 3 else (self.high, 0)
@@ -816,9 +820,9 @@ class _Product:
         args = (self.base, high_words, self.scales.view(torch.int16), self.out, self.n, self.k_pad,
                 self.planes[0].row_bytes // 4, high_row_words, self.gpr, self.out.stride(0), self.bias)
         if lane_tree is None:
-            lane_tree = batch_lane_tree(self.tokens, bits, block_n, block_t or self.block_t)
+            lane_tree = batch_lane_tree(tiles, bits, block_n, block_t or self.block_t)
         constants = {"BITS": bits, "GROUP": self.codec.group, "BLOCK_N": block_n, "DEPTH": depth or default_depth,
-                     "UNROLL": unroll or default_unroll, "CHAIN": chain or batch_chain(self.tokens, bits, self.k_pad),
+                     "UNROLL": unroll or default_unroll, "CHAIN": chain or batch_chain(tiles, bits, self.k_pad),
                      "LANE_TREE": lane_tree and _lane_tree_sums()}
         return programs, args, constants
 
