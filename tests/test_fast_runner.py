@@ -266,6 +266,8 @@ def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
     # the decode graphs (one per bucket, each keeping its logits) are planned: more slots, more graphs
     assert 0 < roomy.graphs < plan_memory(config, 10**8, 10**10, **{**options, "slots": 8}).graphs
     assert "decode graphs" in roomy.describe()
+    eager = plan_memory(config, 10**8, roomy.total - roomy.kv // 2, **options, margin=0.0, decode_graphs=False)
+    assert eager.graphs == 0 and eager.kv_tokens > tight.kv_tokens  # without graphs their memory goes to the KV
     with pytest.raises(NinferError, match="unknown recurrent-state dtype 'fp16'"):
         plan_memory(config, 10**8, 10**10, **options, state_dtype="fp16")
     with pytest.raises(MemoryPlanError, match=r"does not fit.*lower --max-context"):

@@ -101,11 +101,13 @@ class MemoryPlan:
 
 def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int, max_context: int,
                 kv_capacity: int | None, kv_dtype: str, prefill_chunk: int, margin: float = 0.05,
-                page: int = PAGE, max_verify_tokens: int = 0, state_dtype: str = "fp32") -> MemoryPlan:
+                page: int = PAGE, max_verify_tokens: int = 0, state_dtype: str = "fp32",
+                decode_graphs: bool = True) -> MemoryPlan:
     """Size the KV pool: `kv_capacity` tokens when given, else (auto) what is left after the weights, the slots'
     recurrent state and the workspace, minus a `margin` fraction of the free memory — capped at what `slots`
     sequences of `max_context` (in whole pages) can use. Raises MemoryPlanError when even one full-context
-    sequence does not fit."""
+    sequence does not fit. `decode_graphs`: whether decode steps are captured as CUDA graphs (their memory is
+    planned only then)."""
     if state_dtype not in STATE_DTYPES:
         raise NinferError(f"unknown recurrent-state dtype {state_dtype!r}; use {' or '.join(STATE_DTYPES)}")
     state = (slots * (1 + max_verify_tokens) + 1) * state_bytes_per_slot(config, state_dtype)
@@ -118,7 +120,7 @@ def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int,
                          config.conv_dim * config.hidden)
     workspace = largest_matrix * 2 + 8 * prefill_chunk * max(widths) * 4 + 2 * slots * config.vocab * 4
     # decode graphs: the logits every graph keeps, and their shared pool's step buffers (GRAPH_POOL_BYTES)
-    graphs = sum(decode_buckets(slots)) * config.vocab * 4 + GRAPH_POOL_BYTES
+    graphs = sum(decode_buckets(slots)) * config.vocab * 4 + GRAPH_POOL_BYTES if decode_graphs else 0
     keep = int(free * margin)
     room = free - keep - weight_bytes - state - workspace - graphs
     ceiling = slots * math.ceil(max_context / page) * page

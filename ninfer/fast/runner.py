@@ -160,7 +160,8 @@ class FastQwen35:
         weight_bytes = sum(_device_bytes(o.format, o.shape, o.bytes) for o in objects)
         plan = plan_memory(config, weight_bytes, free_memory(device), slots=max_sequences, max_context=max_context,
                            kv_capacity=kv_capacity, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
-                           state_dtype=state_dtype, max_verify_tokens=max_verify_tokens)
+                           state_dtype=state_dtype, max_verify_tokens=max_verify_tokens,
+                           decode_graphs=graphs and device.type == "cuda")
         scratch = Scratch(device, dtype)
         linears, vectors = {}, {}
         for obj in tqdm(objects, desc="loading weights", unit="object", disable=not progress):

@@ -45,6 +45,8 @@ for row in report["decode"]:
                  f"({row['fraction_of_bandwidth_limit']:.3f})")
 for row in report["prefill"]:
     cells.append(f"p{row['tokens']} {row['tokens_per_second']:.1f} tok/s ({row['fraction_of_matmul_limit']:.3f})")
+if report.get("graph_memory_bytes"):  # trees before 037ba76 do not report it
+    cells.append(f"graphs {report['graph_memory_bytes'] / 2**20:.1f} MiB")
 print(f"{name}: " + ", ".join(cells))
 EOF
     done
