@@ -97,8 +97,8 @@ def test_real_shape_slice_integer_decode_against_the_int8_oracle(sliced):
 @pytest.mark.parametrize("kv_dtype, state_dtype", [("bf16", "fp32"), ("int8", "fp32"), ("fp8", "fp32"),
                                                     ("bf16", "bf16")])
 def test_graph_replay_equals_eager_decode(kv_dtype, state_dtype):
-    """Graphs of several buckets, replayed in an order unlike their captures' (they share one memory pool), and
-    a bucket with a padding row, give the eager step's bits."""
+    """Graphs of several buckets, replayed in an order unlike their captures' (they share one memory pool and one
+    logits buffer), and a bucket with a padding row, give the eager step's bits."""
     options = dict(max_sequences=10, max_context=512, kv_dtype=kv_dtype, state_dtype=state_dtype)
     with Artifact.open(DEMO) as artifact:
         graphed = FastQwen35.from_artifact(artifact, "cuda", **options)
@@ -116,6 +116,8 @@ def test_graph_replay_equals_eager_decode(kv_dtype, state_dtype):
         tokens = torch.cat([step[eager].argmax(-1), tokens[batch:]])
     assert set(graphed.graphs) == {3, 5, 8, 10}
     assert len({graph.pool() for graph, _ in graphed.graphs.values()}) == 1
+    # and every graph writes its logits into the one buffer of the model, not into a buffer of its own
+    assert {logits.data_ptr() for _, logits in graphed.graphs.values()} == {graphed.logits.data_ptr()}
     assert graphed.graph_bytes > 0
 
 

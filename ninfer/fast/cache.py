@@ -34,12 +34,8 @@ KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the GDN recurrent state as pooled
 SCALE_GROUP = 64
 PAGE = 64  # positions per KV page
-# decode graphs' batch sizes: a step of B sequences replays the graph of the smallest bucket ≥ B, whose padding
-# rows cost what live ones do, so every size up to the default 8 slots has its own graph (27B: 3 sequences 6.95 ms
-# a step against 7.30 in the 4-row graph; docs/performance.md, thirty-fifth session)
-DECODE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
-# the decode graphs' step buffers in their shared pool, beyond their logits (27B on the H200: 14 MiB for the graphs
-# of 8 slots, 36 MiB for 64; `scripts/device/graph_memory.py`)
+# the decode graphs' step buffers in their shared pool (27B on the H200: 14 MiB for the graphs of 8 slots, 36 MiB for
+# 64, beside their logits; `scripts/device/graph_memory.py`); their logits share one buffer, in the workspace
 GRAPH_POOL_BYTES = 64 * 2**20
 
 
@@ -49,11 +45,6 @@ class MemoryPlanError(NinferError):
 
 class CacheFullError(NinferError):
     """No free sequence slot or not enough free KV pages for a new sequence."""
-
-
-def decode_buckets(slots: int) -> list[int]:
-    """The batch sizes of the decode graphs for `slots` sequence slots: DECODE_BUCKETS below it, and `slots`."""
-    return [b for b in DECODE_BUCKETS if b < slots] + [slots]
 
 
 def kv_bytes_per_token(config: TextConfig, kv_dtype: str) -> int:
@@ -112,15 +103,14 @@ def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int,
         raise NinferError(f"unknown recurrent-state dtype {state_dtype!r}; use {' or '.join(STATE_DTYPES)}")
     state = (slots * (1 + max_verify_tokens) + 1) * state_bytes_per_slot(config, state_dtype)
     per_token = kv_bytes_per_token(config, kv_dtype)
-    # workspace: the largest dequantized prefill matrix, prefill activations (a few [chunk, width] tensors) and the
-    # logits of an eager decode batch and of a prefill's last row
+    # workspace: the largest dequantized prefill matrix, prefill activations (a few [chunk, width] tensors), the
+    # decode steps' logits buffer and the copy a step returns
     widths = (config.hidden, config.intermediate or 2 * config.expert_width * max(config.top_k, 1), config.conv_dim,
               2 * config.heads * config.head_dim)
     largest_matrix = max(config.vocab * config.hidden, 2 * config.intermediate * config.hidden,
                          config.conv_dim * config.hidden)
     workspace = largest_matrix * 2 + 8 * prefill_chunk * max(widths) * 4 + 2 * slots * config.vocab * 4
-    # decode graphs: the logits every graph keeps, and their shared pool's step buffers (GRAPH_POOL_BYTES)
-    graphs = sum(decode_buckets(slots)) * config.vocab * 4 + GRAPH_POOL_BYTES if decode_graphs else 0
+    graphs = GRAPH_POOL_BYTES if decode_graphs else 0
     keep = int(free * margin)
     room = free - keep - weight_bytes - state - workspace - graphs
     ceiling = slots * math.ceil(max_context / page) * page

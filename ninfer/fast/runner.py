@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory, synchronize
 from ninfer.fast.branches import Branches
-from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, decode_buckets, plan_memory
+from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch, is_packed, project, shared_input, shares_launch
 from ninfer.kernels.activation_quant import Int8Activations
 from ninfer.kernels.attention import prefill_attention
@@ -53,6 +53,11 @@ except ImportError:  # pragma: no cover - depends on the environment
     chunk_gated_delta_rule = None
 
 FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
+# decode graphs' batch sizes: a step of B sequences replays the graph of the smallest bucket ≥ B, whose padding
+# rows cost what live ones do, so every size up to the default 8 slots has its own graph (27B: 3 sequences 6.95 ms
+# a step against 7.30 in the 4-row graph; docs/performance.md, thirty-fifth session), and above it every multiple
+# of 8, the batch GEMV's token tile (`quant_linear.BATCH_TOKENS`)
+DECODE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64)
 GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's matrices that read its input
 # prompt pieces of up to this many tokens take the decode kernels (`_steps`) instead of the prefill route: the gated
 # delta step unrolls its T tokens (one compiled kernel per T, all made by `warm_up`). Off (0) under the interpreter,
@@ -73,6 +78,11 @@ def _device_bytes(fmt: str, shape: tuple[int, ...], stored: int) -> int:
     if is_packed(fmt) or len(shape) != 2:
         return stored
     return math.prod(shape) * 2
+
+
+def decode_buckets(slots: int) -> list[int]:
+    """The batch sizes of the decode graphs for `slots` sequence slots: DECODE_BUCKETS below it, and `slots`."""
+    return [b for b in DECODE_BUCKETS if b < slots] + [slots]
 
 
 def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -112,6 +122,9 @@ class FastQwen35:
         self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None  # the memory pool every decode graph captures into (made on the first capture)
+        # every decode step's logits, written by the head's GEMV (row b: sequence b), so that the graphs of all the
+        # buckets share one buffer instead of each keeping its own in the pool
+        self.logits = torch.empty((self.max_batch, self.head.shape[0]), dtype=torch.float32, device=self.device)
         self.prefetches: dict[tuple[str, ...], L2Prefetch | None] = {}
         self.use_graphs = graphs and self.device.type == "cuda"
         self.branches = Branches(self.device)  # independent work of a captured step runs as a second graph branch
@@ -349,8 +362,8 @@ class FastQwen35:
         """The decode graph of `bucket` rows, captured on first use. Every graph captures into one memory pool:
         a step's buffers live only inside its replay, and replays run one at a time on one stream, so a graph may
         reuse what another's capture freed (CUDA-graph pool sharing, as vLLM shares one pool across its batch
-        sizes); only each graph's logits stay held. Capturing the largest bucket first (`warm_up`) lets the
-        smaller ones fit in its blocks."""
+        sizes); the logits go to `self.logits`, outside the pool. Capturing the largest bucket first (`warm_up`)
+        lets the smaller ones fit in its blocks."""
         if bucket not in self.graphs:
             saved = self.inputs.clone()  # capture runs the step on padding rows only, then restores the inputs
             self.inputs[0].zero_()
@@ -381,7 +394,8 @@ class FastQwen35:
             tables = self.cache.block_tables.index_select(0, slots)
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
                          lambda h, i: self._gdn_decode(h, i, slots), self.int8_activations)
-        logits = self._linear(self.head, h, self.int8_activations, torch.float32)
+        logits = project(self._input(h, [self.head], self.int8_activations), [self.head],
+                         outs=[self.logits[:batch]])[0]
         self.branches.join()  # the head's prefetch, or positions and tables unused by a model without attention
         return logits
 
