@@ -57,7 +57,7 @@ class BenchReport:
     prefill: list[dict[str, float]] = field(default_factory=list)
     decode: list[dict[str, float]] = field(default_factory=list)
     peak_memory_bytes: int = 0
-    graph_memory_bytes: int = 0  # the fast path's decode graphs' pool (reserved by their captures)
+    graph_memory_bytes: int = 0  # the fast path's decode graphs' shared memory pool (`FastQwen35.graph_bytes`)
 
 
 def _timed(device: torch.device, work, repeats: int = 5) -> float:

@@ -11,6 +11,7 @@ It runs on older trees too (they may lack `graph_bytes`), for before / after com
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 
 import torch
@@ -35,11 +36,10 @@ def main() -> None:
             del states
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
-    pools = {}
+    pools = collections.Counter()  # bytes per pool outside the default one (0, 0)
     for segment in torch.cuda.memory_snapshot():
-        if tuple(segment["segment_pool_id"]) != (0, 0):
-            pools[tuple(segment["segment_pool_id"])] = pools.get(tuple(segment["segment_pool_id"]), 0) + \
-                segment["total_size"]
+        pools[tuple(segment["segment_pool_id"])] += segment["total_size"]
+    del pools[(0, 0)]
     # trees from 037ba76 to 5ebc23d kept each graph's logits in the pool; later ones write them to `model.logits`
     kept = sum(buckets) * model.config.vocab * 4 / 2**20
     logits = "one buffer outside" if getattr(model, "logits", None) is not None else f"{kept:.1f} MiB inside"
