@@ -250,6 +250,21 @@ def test_decode_graphs_cover_every_batch_size_to_eight_then_every_multiple_of_ei
     assert runner.decode_buckets(44) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 44]
 
 
+def test_graphs_are_captured_once_per_bucket_largest_first(dense, monkeypatch):
+    """`warm_up` and `ninfer bench` capture through `capture_graphs`: the largest step first sizes the shared pool,
+    and each batch size captures the bucket its steps replay."""
+    _, fast = dense
+    captured = []
+    monkeypatch.setattr(fast, "buckets", runner.decode_buckets(44))
+    monkeypatch.setattr(fast, "max_batch", 44)
+    monkeypatch.setattr(fast, "use_graphs", True)
+    monkeypatch.setattr(fast, "_graph", captured.append)
+    fast.capture_graphs([1, 3, 20, 44, 3, 17, 9])
+    assert captured == [44, 24, 16, 3, 1]
+    with pytest.raises(ValueError, match="exceeds the 44 sequence slots"):
+        fast.capture_graphs([45])
+
+
 def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
     with Artifact.open(DEMO) as artifact:
         config = TextConfig.from_dict(artifact.components["text"]["config"])

@@ -121,6 +121,40 @@ def test_graph_replay_equals_eager_decode(kv_dtype, state_dtype):
     assert graphed.graph_bytes > 0
 
 
+@pytest.mark.parametrize("kv_dtype, state_dtype", [("bf16", "fp32"), ("int8", "bf16")])
+def test_graphed_verify_steps_and_short_prompts_equal_eager_ones(kv_dtype, state_dtype):
+    """Short prompts (one graph per length) and verify steps of several sizes, each followed by an accept of some
+    prefix and a decode step (which starts from the kept snapshot), replayed as graphs from the pool the decode
+    graphs share, give the eager steps' bits."""
+    options = dict(max_sequences=3, max_context=512, kv_dtype=kv_dtype, state_dtype=state_dtype,
+                   max_verify_tokens=4)
+    with Artifact.open(DEMO) as artifact:
+        graphed = FastQwen35.from_artifact(artifact, "cuda", **options)
+        eager = FastQwen35.from_artifact(artifact, "cuda", **options, graphs=False)
+    models = (graphed, eager)
+    prompts = [torch.arange(5 + 7 * i, 12 + 9 * i, device="cuda") % 1000 for i in range(3)]  # 7, 9 and 11 tokens
+    assert all(p.numel() <= SHORT_PREFILL_TOKENS for p in prompts)
+    states = {m: [m.new_state(256) for _ in prompts] for m in models}
+    logits = {m: torch.stack([m.forward(p, s) for p, s in zip(prompts, states[m], strict=True)]) for m in models}
+    assert torch.equal(logits[graphed], logits[eager])
+    tokens = logits[eager].argmax(-1)
+    for batch, kept in ((3, [1, 4, 2]), (1, [2]), (2, [3, 1]), (3, [4, 4, 1]), (1, [1])):
+        drafts = max(kept)
+        ids = torch.stack([(tokens[:batch] + 11 * t) % 1000 for t in range(drafts)], dim=1)
+        verified = {m: m.verify(states[m][:batch], ids) for m in models}
+        assert torch.equal(verified[graphed], verified[eager]), f"verify {batch} x {drafts}"
+        for m in models:
+            m.accept(states[m][:batch], kept)
+        step = {m: m.decode_batch(states[m][:batch], tokens[:batch]) for m in models}
+        assert torch.equal(step[graphed], step[eager]), f"decode after verify {batch} x {drafts}"
+        tokens = torch.cat([step[eager].argmax(-1), tokens[batch:]])
+    assert set(graphed.step_graphs) == {(1, 7, False), (1, 9, False), (1, 11, False), (3, 4, True), (1, 2, True),
+                                        (2, 3, True), (1, 1, True)}
+    graphs = [*graphed.graphs.values(), *graphed.step_graphs.values()]
+    assert len({graph.pool() for graph, _ in graphs}) == 1
+    assert {logits.data_ptr() for _, logits in graphs} == {graphed.logits.data_ptr()}
+
+
 def test_a_decode_step_with_ids_on_the_device_never_waits_for_the_device():
     """Greedy decode with the sampled ids left on the device: no step synchronises with the host (torch's sync
     debug mode raises on any synchronising call), so the host can queue the next step while this one runs; the

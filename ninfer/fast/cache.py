@@ -39,6 +39,12 @@ PAGE = 64  # positions per KV page
 GRAPH_POOL_BYTES = 64 * 2**20
 
 
+def logit_rows(slots: int, max_verify_tokens: int) -> int:
+    """Rows of the runner's logits buffer, which every decode and verify step's head writes: one per sequence slot,
+    or one per draft token of every slot when verify steps are enabled."""
+    return slots * max(1, max_verify_tokens)
+
+
 class MemoryPlanError(NinferError):
     """The model, its cache and workspace do not fit in the device memory."""
 
@@ -104,12 +110,13 @@ def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int,
     state = (slots * (1 + max_verify_tokens) + 1) * state_bytes_per_slot(config, state_dtype)
     per_token = kv_bytes_per_token(config, kv_dtype)
     # workspace: the largest dequantized prefill matrix, prefill activations (a few [chunk, width] tensors), the
-    # decode steps' logits buffer and the copy a step returns
+    # steps' logits buffer and the copy a step returns
     widths = (config.hidden, config.intermediate or 2 * config.expert_width * max(config.top_k, 1), config.conv_dim,
               2 * config.heads * config.head_dim)
     largest_matrix = max(config.vocab * config.hidden, 2 * config.intermediate * config.hidden,
                          config.conv_dim * config.hidden)
-    workspace = largest_matrix * 2 + 8 * prefill_chunk * max(widths) * 4 + 2 * slots * config.vocab * 4
+    logits = 2 * logit_rows(slots, max_verify_tokens) * config.vocab * 4
+    workspace = largest_matrix * 2 + 8 * prefill_chunk * max(widths) * 4 + logits
     graphs = GRAPH_POOL_BYTES if decode_graphs else 0
     keep = int(free * margin)
     room = free - keep - weight_bytes - state - workspace - graphs

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ninfer.artifact.reader import Artifact
 from ninfer.devices import free_memory, synchronize
 from ninfer.fast.branches import Branches
-from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, plan_memory
+from ninfer.fast.cache import MemoryPlan, SequenceCache, SlotState, logit_rows, plan_memory
 from ninfer.fast.linear import PackedLinear, Scratch, is_packed, project, shared_input, shares_launch
 from ninfer.kernels.activation_quant import Int8Activations
 from ninfer.kernels.attention import prefill_attention
@@ -63,6 +63,7 @@ GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's 
 # delta step unrolls its T tokens (one compiled kernel per T, all made by `warm_up`). Off (0) under the interpreter,
 # which runs those kernels program by program, far slower than the prefill route's torch ops (the tests set it)
 SHORT_PREFILL_TOKENS = 0 if INTERPRETED else 16
+STEP_TOKENS = 16  # the most tokens a sequence appends in one pass of the decode kernels (short prompt or verify)
 # prefill-route prompt lengths of `warm_up`: every specialisation class of T and T · top_k (32: both divisible by 16;
 # 33: neither; 34: T · top_k only, for top_k 8)
 WARM_UP_LENGTHS = (32, 33, 34)
@@ -122,9 +123,16 @@ class FastQwen35:
         self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None  # the memory pool every decode graph captures into (made on the first capture)
-        # every decode step's logits, written by the head's GEMV (row b: sequence b), so that the graphs of all the
-        # buckets share one buffer instead of each keeping its own in the pool
-        self.logits = torch.empty((self.max_batch, self.head.shape[0]), dtype=torch.float32, device=self.device)
+        # T-token steps (`_steps`): ids [B·T], slots [B], lengths before the step [B], snapshot slots [B·T]; their
+        # graphs by (B, T, verify); the first T positions after a sequence's length
+        width = max(self.max_batch * cache.max_verify_tokens, STEP_TOKENS, self.max_batch)
+        self.step_inputs = torch.zeros((4, width), dtype=torch.int32, device=self.device)
+        self.step_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.offsets = torch.arange(STEP_TOKENS, dtype=torch.int32, device=self.device)
+        # every step's logits, written by the head's GEMV (a decode step's row b: sequence b; a verify step's
+        # sequence-major rows), so that all the graphs share one buffer instead of each keeping its own in the pool
+        self.logits = torch.empty((logit_rows(self.max_batch, cache.max_verify_tokens), self.head.shape[0]),
+                                  dtype=torch.float32, device=self.device)
         self.prefetches: dict[tuple[str, ...], L2Prefetch | None] = {}
         self.use_graphs = graphs and self.device.type == "cuda"
         self.branches = Branches(self.device)  # independent work of a captured step runs as a second graph branch
@@ -205,12 +213,24 @@ class FastQwen35:
         for length in (*WARM_UP_LENGTHS, long, *range(2, SHORT_PREFILL_TOKENS + 1)):
             self.forward(torch.arange(1, length + 1, device=self.device) % self.config.vocab, self.new_state(length))
         limit = min(max_batch or self.max_batch, len(self.cache.free_slots))
-        for bucket in sorted((b for b in self.buckets if b <= limit), reverse=True):  # the largest pool use first
-            states = [self.new_state(2) for _ in range(bucket)]
-            self.decode_batch(states, torch.ones(bucket, dtype=torch.long, device=self.device))
-            del states
+        buckets = [b for b in self.buckets if b <= limit]
+        if self.use_graphs:
+            self.capture_graphs(buckets)
+        else:  # an eager step per bucket compiles its kernels
+            for bucket in buckets:
+                states = [self.new_state(2) for _ in range(bucket)]
+                self.decode_batch(states, torch.ones(bucket, dtype=torch.long, device=self.device))
+                del states
         synchronize(self.device)
         return time.perf_counter() - started
+
+    def capture_graphs(self, batch_sizes: Iterable[int]) -> None:
+        """Capture the decode graphs that steps of these batch sizes replay (graphs already captured are kept),
+        largest first: the smaller graphs then fit in the blocks of the shared pool that the largest one's capture
+        freed (`_graph`), where captured smallest first each larger one adds segments. A no-op without graphs."""
+        if self.use_graphs:
+            for bucket in sorted({self._bucket(size) for size in batch_sizes}, reverse=True):
+                self._graph(bucket)
 
     # -- sequences -------------------------------------------------------------------------------------------
 
@@ -261,23 +281,19 @@ class FastQwen35:
         if ids.numel() == 1 and not all_logits:
             return self.decode_batch([state], ids)[0]
         if ids.numel() <= SHORT_PREFILL_TOKENS and not all_logits:
-            h = self._steps([state], ids.view(1, -1), None)
-            last = h.rows(slice(-1, None)) if isinstance(h, Int8Activations) else h[-1:]
-            return self._linear(self.head, last, self.int8_activations, torch.float32)[0]
+            return self._steps([state], ids.view(1, -1), None)[0]
         outputs = [self._prefill_chunk(chunk, state, all_logits) for chunk in ids.split(self.prefill_chunk)]
         return torch.cat(outputs) if all_logits else outputs[-1]
 
     def decode_batch(self, states: Sequence[SlotState], ids: torch.Tensor) -> torch.Tensor:
         """One token for each of B sequences: logits `[B, V]` fp32 (a copy: the graph's output is reused)."""
         batch = len(states)
-        if batch > self.max_batch:
-            raise ValueError(f"a decode batch of {batch} exceeds the {self.max_batch} sequence slots")
+        bucket = self._bucket(batch)
         for state in states:
             if state.length + 1 > state.capacity:
                 raise ValueError(f"sequence of {state.length + 1} tokens exceeds its capacity of {state.capacity}")
             if state.pending:
                 raise ValueError("accept the verify step before decoding on")
-        bucket = next(b for b in self.buckets if b >= batch)
         # no host sync in a step: slots and lengths travel from pinned memory without blocking (the caching host
         # allocator keeps the buffer until its copy has run), and ids already on the device (the last step's
         # sampled tokens) are copied there in stream order, so the host can queue the next step at once
@@ -319,30 +335,45 @@ class FastQwen35:
                 raise ValueError("accept the previous verify step before the next one")
             if state.length + tokens > state.capacity:
                 raise ValueError(f"sequence of {state.length + tokens} tokens exceeds its capacity of {state.capacity}")
-        snapshots = torch.tensor([[self.cache.verify_slot(s.slot, t) for t in range(tokens)] for s in states],
-                                 dtype=torch.int32, device=self.device)
-        h = self._steps(states, ids, snapshots)
+        snapshots = [self.cache.verify_slot(s.slot, t) for s in states for t in range(tokens)]
+        logits = self._steps(states, ids, snapshots)
         for state in states:
             state.pending = tokens
-        return self._linear(self.head, h, self.int8_activations, torch.float32).view(batch, tokens, -1)
+        return logits.view(batch, tokens, -1)
 
-    def _steps(self, states: Sequence[SlotState], ids: torch.Tensor, snapshots: torch.Tensor | None) -> torch.Tensor:
-        """T tokens `ids` `[B, T]` appended to each of B sequences in one eager pass of the decode kernels (GEMVs,
-        paged attention over each row's own length, the GDN steps, with `snapshots` `[B, T]` the state after every
-        token kept there); returns the final hidden rows `[B·T, H]`, sequence-major."""
-        tokens = ids.shape[1]
-        device = self.device
-        slots = torch.tensor([s.slot for s in states], dtype=torch.int32, device=device)
-        positions = torch.tensor([s.length + t for s in states for t in range(tokens)], dtype=torch.int32,
-                                 device=device)
-        lengths = positions + 1
-        tables = self.cache.block_tables.index_select(0, slots).repeat_interleave(tokens, dim=0)
-        x = self.linears["token_embedding"].rows(ids.reshape(-1).to(device=device, dtype=torch.int32))
-        h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
-                         lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), self.int8_activations)
+    def _steps(self, states: Sequence[SlotState], ids: torch.Tensor, snapshots: list[int] | None) -> torch.Tensor:
+        """T tokens `ids` `[B, T]` appended to each of B sequences in one pass of the decode kernels (GEMVs, paged
+        attention over each row's own length, the GDN steps). A verify step (`snapshots`: the GDN pool slots
+        `[B·T]`, sequence-major, that keep the state after every token) returns the logits after every token
+        `[B·T, V]`, sequence-major; a short prompt (B = 1, no snapshots) those after its last token `[1, V]`. On
+        CUDA replayed as a graph per (B, T, verify) (`_step_graph`): eagerly, the hundreds of launches took ten
+        times the decode step's time on the host (27B: 50-65 ms against 5, docs/performance.md, thirty-sixth
+        session). Returns a copy (the graphs' output buffer is reused)."""
+        batch, tokens = ids.shape
+        verify = snapshots is not None
+        rows = batch * tokens
+        if not (1 <= tokens <= STEP_TOKENS and rows <= self.step_inputs.shape[1] and (verify or batch == 1)):
+            raise ValueError(f"a step of {tokens} tokens for {batch} sequences is larger than the step buffers")
+        host = torch.zeros(self.step_inputs.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        ids = ids.reshape(-1)
+        on_device = self.device.type != "cpu" and ids.device.type == self.device.type
+        if not on_device:
+            host[0, :rows] = ids.to(torch.int32)
+        host[1, :batch] = torch.tensor([s.slot for s in states], dtype=torch.int32)
+        host[2, :batch] = torch.tensor([s.length for s in states], dtype=torch.int32)
+        if verify:
+            host[3, :rows] = torch.tensor(snapshots, dtype=torch.int32)
+        self.step_inputs.copy_(host, non_blocking=True)  # as in `decode_batch`: no host sync
+        if on_device:
+            self.step_inputs[0, :rows].copy_(ids)
+        if self.use_graphs:
+            graph, logits = self._step_graph(batch, tokens, verify)
+            graph.replay()
+        else:
+            logits = self._step(batch, tokens, verify)
         for state in states:
             state.length += tokens
-        return h
+        return logits.clone()
 
     def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
         """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step: its length drops to
@@ -358,29 +389,68 @@ class FastQwen35:
             state.length -= state.pending - count
             state.pending = 0
 
+    def _bucket(self, batch: int) -> int:
+        """The graph bucket a step of `batch` rows replays: the smallest bucket that holds it."""
+        if batch > self.max_batch:
+            raise ValueError(f"a decode batch of {batch} exceeds the {self.max_batch} sequence slots")
+        return next(b for b in self.buckets if b >= batch)
+
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The decode graph of `bucket` rows, captured on first use. Every graph captures into one memory pool:
-        a step's buffers live only inside its replay, and replays run one at a time on one stream, so a graph may
-        reuse what another's capture freed (CUDA-graph pool sharing, as vLLM shares one pool across its batch
-        sizes); the logits go to `self.logits`, outside the pool. Capturing the largest bucket first (`warm_up`)
-        lets the smaller ones fit in its blocks."""
+        """The decode graph of `bucket` rows, captured on first use (`_capture`)."""
         if bucket not in self.graphs:
-            saved = self.inputs.clone()  # capture runs the step on padding rows only, then restores the inputs
-            self.inputs[0].zero_()
-            self.inputs[1].fill_(self.cache.scratch_slot)
-            self.inputs[2].fill_(1)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._decode(bucket)  # compiles the kernels outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
-                logits = self._decode(bucket)
-            self.graphs[bucket] = (graph, logits)
-            self.inputs.copy_(saved)
+            padding = torch.tensor([0, self.cache.scratch_slot, 1], dtype=torch.int32, device=self.device)
+            self.graphs[bucket] = self._capture(self.inputs, padding, lambda: self._decode(bucket))
         return self.graphs[bucket]
+
+    def _step_graph(self, batch: int, tokens: int, verify: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of a T-token step (`_steps`), captured on first use (`_capture`)."""
+        key = (batch, tokens, verify)
+        if key not in self.step_graphs:
+            scratch = self.cache.scratch_slot
+            padding = torch.tensor([0, scratch, 0, scratch], dtype=torch.int32, device=self.device)
+            self.step_graphs[key] = self._capture(self.step_inputs, padding, lambda: self._step(*key))
+        return self.step_graphs[key]
+
+    def _capture(self, inputs: torch.Tensor, padding: torch.Tensor,
+                 step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`step` (device work over the static `inputs` only) as a CUDA graph, and its output. It runs on padding
+        rows only (`padding`, one value per row of `inputs`: id 0, the scratch slot, the first position), once
+        eagerly to compile its kernels outside the capture, then captured; `inputs` are restored after. Every graph
+        captures into one memory pool: a step's buffers live only inside its replay, and replays run one at a time
+        on one stream, so a graph may reuse what another's capture freed (CUDA-graph pool sharing, as vLLM shares
+        one pool across its batch sizes); the logits go to `self.logits`, outside the pool. Capturing the largest
+        decode bucket first (`capture_graphs`) lets the smaller ones fit in its blocks."""
+        saved = inputs.clone()
+        inputs.copy_(padding[:, None].expand_as(inputs))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            output = step()
+        inputs.copy_(saved)
+        return graph, output
+
+    def _step(self, batch: int, tokens: int, verify: bool) -> torch.Tensor:
+        """A T-token step over `self.step_inputs` (device tensors only: graph-capturable; see `_steps`)."""
+        rows = batch * tokens
+        ids, slots, starts = self.step_inputs[0, :rows], self.step_inputs[1, :batch], self.step_inputs[2, :batch]
+        snapshots = self.step_inputs[3, :rows].view(batch, tokens) if verify else None
+        positions = (starts[:, None] + self.offsets[:tokens]).view(-1)
+        lengths = positions + 1
+        tables = self.cache.block_tables.index_select(0, slots).repeat_interleave(tokens, dim=0)
+        x = self.linears["token_embedding"].rows(ids)
+        h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
+                         lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), self.int8_activations)
+        if not verify:  # a short prompt: only its last position goes through the head
+            h = h.rows(slice(-1, None)) if isinstance(h, Int8Activations) else h[-1:]
+        logits = project(self._input(h, [self.head], self.int8_activations), [self.head],
+                         outs=[self.logits[: rows if verify else 1]])[0]
+        self.branches.join()
+        return logits
 
     def _decode(self, batch: int) -> torch.Tensor:
         """The decode step over the first `batch` rows of `self.inputs` (device tensors only: graph-capturable)."""
