@@ -9,8 +9,9 @@ stream at that point, and `join()` makes the main stream wait for everything rec
 graph, the two streams become two branches that the GPU runs at once (CUDA's stream capture with events: "Cross-
 stream Dependencies and Events"). The kernels, their inputs and so their bits are the same as in one stream.
 
-Only while a graph is being captured: eager steps (verify, short prompts) stay on one stream, since every fork and
-join would cost the host a few microseconds of event calls per layer. Off on the CPU, and with NINFER_BRANCHES=0.
+Only while a graph is being captured: eager steps (without graphs, and each graph's first run, which compiles its
+kernels) stay on one stream, since every fork and join would cost the host a few microseconds of event calls per
+layer. Off on the CPU, and with NINFER_BRANCHES=0.
 
 Contract for callers: every tensor that branch work reads was made before the fork, every tensor it makes is
 read on the main stream only after a `join()`, and each function that forks joins before it returns, so that a

@@ -11,9 +11,9 @@ Same math and the same interface as the reference `Qwen35Model` (`new_state`, `f
     matrices dequantized to a scratch buffer and multiplied by cuBLAS, routed experts in one grouped launch per
     matrix, attention by fused SDPA over the sequence's pages, the delta rule by flash-linear-attention's chunked
     kernel when installed (else the torch reference); only the last position goes through the head. A short
-    prompt piece (at most SHORT_PREFILL_TOKENS: a chat turn's tail, a generation prompt) instead takes one eager
-    pass of the decode kernels over its T tokens, as a verify step does: a few milliseconds where the prefill
-    route's hundreds of launches and host work take tens.
+    prompt piece (at most SHORT_PREFILL_TOKENS: a chat turn's tail, a generation prompt) instead takes one pass
+    of the decode kernels over its T tokens, as a verify step does, replayed as a CUDA graph per (B, T) (27B, 16
+    tokens: 19 ms, where the same launches made eagerly took 46 ms and the prefill route's about 100).
 docs/fast-path.md describes the whole path.
 """
 
@@ -204,13 +204,13 @@ class FastQwen35:
         divisible by 16, other), and flash-linear-attention autotunes on first use: prefill-route prompts of 32, 33
         and 34 tokens meet every class of the token and (token, expert) pair counts; a prompt of one whole
         prefill chunk and 34 tokens more meets the full chunk and a chunk after earlier ones (on the H200 the first
-        such prompt took 11 s, the next 0.5 s, for 8,192 tokens of the 35B-A3B); short prompts of 2 …
-        SHORT_PREFILL_TOKENS tokens compile the gated delta step for each T; one decode step per graph bucket up to
-        `max_batch` (default: every slot; at most the free slots) captures its graph. Without it the first requests
-        of a server wait seconds for compilation."""
+        such prompt took 11 s, the next 0.5 s, for 8,192 tokens of the 35B-A3B); short prompts of SHORT_PREFILL_TOKENS
+        … 2 tokens compile the gated delta step for each T and capture their graphs (largest first, as the decode
+        graphs); the graph of every decode bucket up to `max_batch` (default: every slot; at most the free slots).
+        Without it the first requests of a server wait seconds for compilation."""
         started = time.perf_counter()
         long = min(self.prefill_chunk + WARM_UP_LENGTHS[-1], self.cache.max_pages * self.cache.page)
-        for length in (*WARM_UP_LENGTHS, long, *range(2, SHORT_PREFILL_TOKENS + 1)):
+        for length in (*WARM_UP_LENGTHS, long, *range(SHORT_PREFILL_TOKENS, 1, -1)):
             self.forward(torch.arange(1, length + 1, device=self.device) % self.config.vocab, self.new_state(length))
         limit = min(max_batch or self.max_batch, len(self.cache.free_slots))
         buckets = [b for b in self.buckets if b <= limit]
@@ -294,25 +294,15 @@ class FastQwen35:
                 raise ValueError(f"sequence of {state.length + 1} tokens exceeds its capacity of {state.capacity}")
             if state.pending:
                 raise ValueError("accept the verify step before decoding on")
-        # no host sync in a step: slots and lengths travel from pinned memory without blocking (the caching host
-        # allocator keeps the buffer until its copy has run), and ids already on the device (the last step's
-        # sampled tokens) are copied there in stream order, so the host can queue the next step at once
-        # every column of the inputs, so that the copy is one contiguous transfer (a bucket's columns are strided,
-        # and a copy into them takes a kernel after the transfer); the columns past the bucket are padding rows
-        host = torch.zeros((3, self.max_batch), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         ids = ids.view(-1)
         if ids.numel() != batch:
             raise ValueError(f"{ids.numel()} ids for {batch} sequences")
-        on_device = self.device.type != "cpu" and ids.device.type == self.device.type
-        if not on_device:
-            host[0, :batch] = ids.to(torch.int32)
-        host[1, :] = self.cache.scratch_slot
-        host[1, :batch] = torch.tensor([s.slot for s in states], dtype=torch.int32)
-        host[2, :] = 1
-        host[2, :batch] = torch.tensor([s.length + 1 for s in states], dtype=torch.int32)
-        self.inputs.copy_(host, non_blocking=True)
-        if on_device:
-            self.inputs[0, :batch].copy_(ids)
+        # the columns past the batch are padding rows (the scratch slot, its first position)
+        slots = torch.full((self.max_batch,), self.cache.scratch_slot, dtype=torch.int32)
+        slots[:batch] = torch.tensor([s.slot for s in states], dtype=torch.int32)
+        lengths = torch.ones(self.max_batch, dtype=torch.int32)
+        lengths[:batch] = torch.tensor([s.length + 1 for s in states], dtype=torch.int32)
+        self._stage(self.inputs, ids, [slots, lengths])
         if self.use_graphs:
             graph, logits = self._graph(bucket)
             graph.replay()
@@ -325,7 +315,8 @@ class FastQwen35:
     def verify(self, states: Sequence[SlotState], ids: torch.Tensor) -> torch.Tensor:
         """A speculative verify step: T draft tokens `ids` `[B, T]` appended to each of B sequences in one
         forward; returns the logits `[B, T, V]` (fp32) after each of them. The GDN state after every draft token is
-        kept in the sequence's verify slots; `accept` then keeps a prefix of the drafts. (Eager: not graphed.)"""
+        kept in the sequence's verify slots; `accept` then keeps a prefix of the drafts. On CUDA replayed as a graph
+        per (B, T) (`_steps`)."""
         batch, tokens = ids.shape
         if not 1 <= tokens <= self.cache.max_verify_tokens:
             raise ValueError(f"a verify step takes 1..{self.cache.max_verify_tokens} tokens per sequence "
@@ -354,18 +345,9 @@ class FastQwen35:
         rows = batch * tokens
         if not (1 <= tokens <= STEP_TOKENS and rows <= self.step_inputs.shape[1] and (verify or batch == 1)):
             raise ValueError(f"a step of {tokens} tokens for {batch} sequences is larger than the step buffers")
-        host = torch.zeros(self.step_inputs.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        ids = ids.reshape(-1)
-        on_device = self.device.type != "cpu" and ids.device.type == self.device.type
-        if not on_device:
-            host[0, :rows] = ids.to(torch.int32)
-        host[1, :batch] = torch.tensor([s.slot for s in states], dtype=torch.int32)
-        host[2, :batch] = torch.tensor([s.length for s in states], dtype=torch.int32)
-        if verify:
-            host[3, :rows] = torch.tensor(snapshots, dtype=torch.int32)
-        self.step_inputs.copy_(host, non_blocking=True)  # as in `decode_batch`: no host sync
-        if on_device:
-            self.step_inputs[0, :rows].copy_(ids)
+        self._stage(self.step_inputs, ids.reshape(-1), [torch.tensor([s.slot for s in states], dtype=torch.int32),
+                                                        torch.tensor([s.length for s in states], dtype=torch.int32),
+                                                        torch.tensor(snapshots or [], dtype=torch.int32)])
         if self.use_graphs:
             graph, logits = self._step_graph(batch, tokens, verify)
             graph.replay()
@@ -374,6 +356,22 @@ class FastQwen35:
         for state in states:
             state.length += tokens
         return logits.clone()
+
+    def _stage(self, inputs: torch.Tensor, ids: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """A step's inputs into the static buffer `inputs` (int32) with no host synchronisation: `ids` into row 0,
+        `rows[r - 1]` into row r, each from column 0. The host rows go from pinned memory without blocking (the
+        caching host allocator keeps the buffer until its copy has run) as one contiguous transfer of the whole
+        buffer (a copy into strided columns takes a kernel after the transfer); ids already on the device (the last
+        step's sampled tokens) are copied there in stream order. So the host can queue the next step at once."""
+        host = torch.zeros(inputs.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        on_device = self.device.type != "cpu" and ids.device.type == self.device.type
+        if not on_device:
+            host[0, : ids.numel()] = ids.to(torch.int32)
+        for row, values in enumerate(rows, 1):
+            host[row, : values.numel()] = values
+        inputs.copy_(host, non_blocking=True)
+        if on_device:
+            inputs[0, : ids.numel()].copy_(ids)
 
     def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
         """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step: its length drops to
