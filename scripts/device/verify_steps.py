@@ -2,8 +2,9 @@
 verify step of T draft tokens (accepted whole) for T = 1 … --tokens, against the decode step; then a 16-token
 prompt on a fresh sequence (the short-prompt route). Times are host and device together, synchronised after each
 step as a drafter that reads the logits would be (until they were graphed, verify steps and short prompts ran
-eagerly, and their launches took ten times the device's time: docs/performance.md, thirty-sixth session). Prints the median ms a step, and T decode steps over one
-verify step: the most a draft of T tokens that is always accepted could gain.
+eagerly, and their launches took ten times the device's time: docs/performance.md, thirty-sixth session).
+Prints the median ms a step, and T decode steps over one verify step: the most a draft of T tokens that is always
+accepted could gain.
 
     python3 scripts/device/verify_steps.py ARTIFACT [--tokens 8] [--repeats 20]
 
