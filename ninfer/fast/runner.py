@@ -120,13 +120,12 @@ class FastQwen35:
         self.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta).to(self.device)
         self.max_batch = cache.slots
         self.buckets = decode_buckets(self.max_batch)  # the graphs share one memory pool (`_graph`)
-        self.inputs = torch.zeros((3, self.max_batch), dtype=torch.int32, device=self.device)  # ids, slots, lengths
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None  # the memory pool every decode graph captures into (made on the first capture)
-        # T-token steps (`_steps`): ids [B·T], slots [B], lengths before the step [B], snapshot slots [B·T]; their
-        # graphs by (B, T, verify); the first T positions after a sequence's length
+        # every step's inputs (`_step`): ids [B·T], slots [B], lengths before the step [B], snapshot slots [B·T];
+        # the T-token steps' graphs by (B, T, verify); the first T positions after a sequence's length
         width = max(self.max_batch * cache.max_verify_tokens, STEP_TOKENS, self.max_batch)
-        self.step_inputs = torch.zeros((4, width), dtype=torch.int32, device=self.device)
+        self.inputs = torch.zeros((4, width), dtype=torch.int32, device=self.device)
         self.step_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.offsets = torch.arange(STEP_TOKENS, dtype=torch.int32, device=self.device)
         # every step's logits, written by the head's GEMV (a decode step's row b: sequence b; a verify step's
@@ -297,17 +296,17 @@ class FastQwen35:
         ids = ids.view(-1)
         if ids.numel() != batch:
             raise ValueError(f"{ids.numel()} ids for {batch} sequences")
-        # the columns past the batch are padding rows (the scratch slot, its first position)
+        # the columns past the batch up to the bucket are padding rows (the scratch slot, its first position)
         slots = torch.full((self.max_batch,), self.cache.scratch_slot, dtype=torch.int32)
         slots[:batch] = torch.tensor([s.slot for s in states], dtype=torch.int32)
-        lengths = torch.ones(self.max_batch, dtype=torch.int32)
-        lengths[:batch] = torch.tensor([s.length + 1 for s in states], dtype=torch.int32)
-        self._stage(self.inputs, ids, [slots, lengths])
+        starts = torch.zeros(self.max_batch, dtype=torch.int32)
+        starts[:batch] = torch.tensor([s.length for s in states], dtype=torch.int32)
+        self._stage(ids, [slots, starts])
         if self.use_graphs:
             graph, logits = self._graph(bucket)
             graph.replay()
         else:
-            logits = self._decode(bucket)
+            logits = self._step(bucket, 1, False)
         for state in states:
             state.length += 1
         return logits[:batch].clone()
@@ -343,11 +342,11 @@ class FastQwen35:
         batch, tokens = ids.shape
         verify = snapshots is not None
         rows = batch * tokens
-        if not (1 <= tokens <= STEP_TOKENS and rows <= self.step_inputs.shape[1] and (verify or batch == 1)):
+        if not (1 <= tokens <= STEP_TOKENS and rows <= self.inputs.shape[1] and (verify or batch == 1)):
             raise ValueError(f"a step of {tokens} tokens for {batch} sequences is larger than the step buffers")
-        self._stage(self.step_inputs, ids.reshape(-1), [torch.tensor([s.slot for s in states], dtype=torch.int32),
-                                                        torch.tensor([s.length for s in states], dtype=torch.int32),
-                                                        torch.tensor(snapshots or [], dtype=torch.int32)])
+        self._stage(ids.reshape(-1), [torch.tensor([s.slot for s in states], dtype=torch.int32),
+                                      torch.tensor([s.length for s in states], dtype=torch.int32),
+                                      torch.tensor(snapshots or [], dtype=torch.int32)])
         if self.use_graphs:
             graph, logits = self._step_graph(batch, tokens, verify)
             graph.replay()
@@ -357,21 +356,21 @@ class FastQwen35:
             state.length += tokens
         return logits.clone()
 
-    def _stage(self, inputs: torch.Tensor, ids: torch.Tensor, rows: list[torch.Tensor]) -> None:
-        """A step's inputs into the static buffer `inputs` (int32) with no host synchronisation: `ids` into row 0,
+    def _stage(self, ids: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """A step's inputs into the static buffer `self.inputs` with no host synchronisation: `ids` into row 0,
         `rows[r - 1]` into row r, each from column 0. The host rows go from pinned memory without blocking (the
         caching host allocator keeps the buffer until its copy has run) as one contiguous transfer of the whole
         buffer (a copy into strided columns takes a kernel after the transfer); ids already on the device (the last
         step's sampled tokens) are copied there in stream order. So the host can queue the next step at once."""
-        host = torch.zeros(inputs.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        host = torch.zeros(self.inputs.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         on_device = self.device.type != "cpu" and ids.device.type == self.device.type
         if not on_device:
             host[0, : ids.numel()] = ids.to(torch.int32)
         for row, values in enumerate(rows, 1):
             host[row, : values.numel()] = values
-        inputs.copy_(host, non_blocking=True)
+        self.inputs.copy_(host, non_blocking=True)
         if on_device:
-            inputs[0, : ids.numel()].copy_(ids)
+            self.inputs[0, : ids.numel()].copy_(ids)
 
     def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
         """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step: its length drops to
@@ -396,30 +395,28 @@ class FastQwen35:
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The decode graph of `bucket` rows, captured on first use (`_capture`)."""
         if bucket not in self.graphs:
-            padding = torch.tensor([0, self.cache.scratch_slot, 1], dtype=torch.int32, device=self.device)
-            self.graphs[bucket] = self._capture(self.inputs, padding, lambda: self._decode(bucket))
+            self.graphs[bucket] = self._capture(lambda: self._step(bucket, 1, False))
         return self.graphs[bucket]
 
     def _step_graph(self, batch: int, tokens: int, verify: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The graph of a T-token step (`_steps`), captured on first use (`_capture`)."""
         key = (batch, tokens, verify)
         if key not in self.step_graphs:
-            scratch = self.cache.scratch_slot
-            padding = torch.tensor([0, scratch, 0, scratch], dtype=torch.int32, device=self.device)
-            self.step_graphs[key] = self._capture(self.step_inputs, padding, lambda: self._step(*key))
+            self.step_graphs[key] = self._capture(lambda: self._step(*key))
         return self.step_graphs[key]
 
-    def _capture(self, inputs: torch.Tensor, padding: torch.Tensor,
-                 step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """`step` (device work over the static `inputs` only) as a CUDA graph, and its output. It runs on padding
-        rows only (`padding`, one value per row of `inputs`: id 0, the scratch slot, the first position), once
-        eagerly to compile its kernels outside the capture, then captured; `inputs` are restored after. Every graph
+    def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`step` (device work over the static `self.inputs` only) as a CUDA graph, and its output. It runs on
+        padding rows only (id 0, the scratch slot from its first position, the scratch slot as every snapshot), once
+        eagerly to compile its kernels outside the capture, then captured; the inputs are restored after. Every graph
         captures into one memory pool: a step's buffers live only inside its replay, and replays run one at a time
         on one stream, so a graph may reuse what another's capture freed (CUDA-graph pool sharing, as vLLM shares
         one pool across its batch sizes); the logits go to `self.logits`, outside the pool. Capturing the largest
         decode bucket first (`capture_graphs`) lets the smaller ones fit in its blocks."""
-        saved = inputs.clone()
-        inputs.copy_(padding[:, None].expand_as(inputs))
+        saved = self.inputs.clone()
+        scratch = self.cache.scratch_slot
+        padding = torch.tensor([0, scratch, 0, scratch], dtype=torch.int32, device=self.device)
+        self.inputs.copy_(padding[:, None].expand_as(self.inputs))
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -429,41 +426,30 @@ class FastQwen35:
         self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             output = step()
-        inputs.copy_(saved)
+        self.inputs.copy_(saved)
         return graph, output
 
     def _step(self, batch: int, tokens: int, verify: bool) -> torch.Tensor:
-        """A T-token step over `self.step_inputs` (device tensors only: graph-capturable; see `_steps`)."""
+        """T tokens for each of the first `batch` sequences of `self.inputs` (device tensors only: graph-capturable):
+        a decode step (T = 1, logits of every row), a verify step (logits of every token) or a short prompt (one
+        sequence, logits of its last token); see `decode_batch` and `_steps`."""
         rows = batch * tokens
-        ids, slots, starts = self.step_inputs[0, :rows], self.step_inputs[1, :batch], self.step_inputs[2, :batch]
-        snapshots = self.step_inputs[3, :rows].view(batch, tokens) if verify else None
-        positions = (starts[:, None] + self.offsets[:tokens]).view(-1)
-        lengths = positions + 1
-        tables = self.cache.block_tables.index_select(0, slots).repeat_interleave(tokens, dim=0)
-        x = self.linears["token_embedding"].rows(ids)
-        h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
-                         lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), self.int8_activations)
-        if not verify:  # a short prompt: only its last position goes through the head
-            h = h.rows(slice(-1, None)) if isinstance(h, Int8Activations) else h[-1:]
-        logits = project(self._input(h, [self.head], self.int8_activations), [self.head],
-                         outs=[self.logits[: rows if verify else 1]])[0]
-        self.branches.join()
-        return logits
-
-    def _decode(self, batch: int) -> torch.Tensor:
-        """The decode step over the first `batch` rows of `self.inputs` (device tensors only: graph-capturable)."""
-        ids, slots, lengths = self.inputs[0, :batch], self.inputs[1, :batch], self.inputs[2, :batch]
+        ids, slots, starts = self.inputs[0, :rows], self.inputs[1, :batch], self.inputs[2, :batch]
+        snapshots = self.inputs[3, :rows].view(batch, tokens) if verify else None
         # the embedding rows before the fork: a graph with two streams starts its first few kernels and then
         # pauses about 10 µs; forked after the rows, the pause falls less on the main chain (docs/performance.md,
         # thirty-first session)
         x = self.linears["token_embedding"].rows(ids)
         with self.branches.beside():  # first needed by the first attention layer (which joins)
-            positions = lengths - 1
-            tables = self.cache.block_tables.index_select(0, slots)
+            positions = (starts[:, None] + self.offsets[:tokens]).view(-1)
+            lengths = positions + 1
+            tables = self.cache.block_tables.index_select(0, slots).repeat_interleave(tokens, dim=0)
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
-                         lambda h, i: self._gdn_decode(h, i, slots), self.int8_activations)
+                         lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), self.int8_activations)
+        if tokens > 1 and not verify:  # a short prompt: only its last position goes through the head
+            h, rows = (h.rows(slice(-1, None)) if isinstance(h, Int8Activations) else h[-1:]), 1
         logits = project(self._input(h, [self.head], self.int8_activations), [self.head],
-                         outs=[self.logits[:batch]])[0]
+                         outs=[self.logits[:rows]])[0]
         self.branches.join()  # the head's prefetch, or positions and tables unused by a model without attention
         return logits
 
