@@ -4,7 +4,10 @@ Prints the bytes of the caching allocator's segments outside its default pool (t
 pool, or one private pool per graph on trees before the shared one) and the seconds the captures took
 (`torch.cuda.memory_reserved` deltas do not show it: each capture empties the allocator's cache first).
 
-    python3 scripts/device/graph_memory.py ARTIFACT [--slots 8]
+    python3 scripts/device/graph_memory.py ARTIFACT [--slots 8] [--warm-up]
+
+With --warm-up it runs `FastQwen35.warm_up(slots)` instead, which also captures the short-prompt graphs (16 … 2
+tokens) into the same pool.
 
 It runs on older trees too (they may lack `graph_bytes`), for before / after comparisons."""
 
@@ -23,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact")
     parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--warm-up", action="store_true", help="capture what warm_up captures (short prompts too)")
     args = parser.parse_args()
     model = LLM(args.artifact, device="cuda", max_sequences=args.slots).model
     with torch.inference_mode():
@@ -30,10 +34,13 @@ def main() -> None:
         torch.cuda.synchronize()
         started = time.perf_counter()
         buckets = sorted((b for b in model.buckets if b <= args.slots), reverse=True)
-        for bucket in buckets:
-            states = [model.new_state(2) for _ in range(bucket)]
-            model.decode_batch(states, torch.ones(bucket, dtype=torch.long, device="cuda"))
-            del states
+        if args.warm_up:
+            model.warm_up(args.slots)
+        else:
+            for bucket in buckets:
+                states = [model.new_state(2) for _ in range(bucket)]
+                model.decode_batch(states, torch.ones(bucket, dtype=torch.long, device="cuda"))
+                del states
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
     pools = collections.Counter()  # bytes per pool outside the default one (0, 0)

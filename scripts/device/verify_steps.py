@@ -6,7 +6,9 @@ eagerly, and their launches took ten times the device's time: docs/performance.m
 Prints the median ms a step, and T decode steps over one verify step: the most a draft of T tokens that is always
 accepted could gain.
 
-    python3 scripts/device/verify_steps.py ARTIFACT [--tokens 8] [--repeats 20]
+    python3 scripts/device/verify_steps.py ARTIFACT [--tokens 8] [--repeats 20] [--batch 1]
+
+With --batch B, B sequences decode and verify together (each its own prompt).
 
 It runs on older trees too (started from the tree's folder with it first on PYTHONPATH), for before / after
 comparisons."""
@@ -40,23 +42,26 @@ def main() -> None:
     parser.add_argument("artifact")
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
     with Artifact.open(args.artifact) as artifact:
-        model = FastQwen35.from_artifact(artifact, "cuda", max_sequences=2, max_context=4096,
+        model = FastQwen35.from_artifact(artifact, "cuda", max_sequences=args.batch + 1, max_context=4096,
                                          max_verify_tokens=args.tokens)
     generator = torch.Generator().manual_seed(0)
-    state = model.new_state(4096)
+    batch = args.batch
+    states = [model.new_state(4096) for _ in range(batch)]
     with torch.inference_mode():
-        model.forward(torch.randint(0, model.config.vocab, (128,), generator=generator).cuda(), state)
-        token = torch.randint(0, model.config.vocab, (1,), generator=generator).cuda()
-        decode = _median_seconds(lambda: model.decode_batch([state], token), args.repeats)
-        print(f"decode step (graph): {1000 * decode:.3f} ms")
+        for state in states:
+            model.forward(torch.randint(0, model.config.vocab, (128,), generator=generator).cuda(), state)
+        token = torch.randint(0, model.config.vocab, (batch,), generator=generator).cuda()
+        decode = _median_seconds(lambda: model.decode_batch(states, token), args.repeats)
+        print(f"batch {batch}: decode step (graph): {1000 * decode:.3f} ms")
         for tokens in range(1, args.tokens + 1):
-            ids = torch.randint(0, model.config.vocab, (1, tokens), generator=generator).cuda()
+            ids = torch.randint(0, model.config.vocab, (batch, tokens), generator=generator).cuda()
 
             def verify(ids=ids, tokens=tokens):
-                model.verify([state], ids)
-                model.accept([state], [tokens])
+                model.verify(states, ids)
+                model.accept(states, [tokens] * batch)
 
             seconds = _median_seconds(verify, args.repeats)
             print(f"verify T={tokens}: {1000 * seconds:.3f} ms, {tokens} decode steps / verify step "
