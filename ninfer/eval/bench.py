@@ -43,6 +43,12 @@ LIMIT_REPEATS = 21  # timed calls per limit (the median is reported)
 # reduction alone, with the GPU idle around it, read 2-7 % lower and varied more from run to run (H200: 4.02-4.17
 # against 4.29 TB/s in one process; docs/performance.md, twenty-eighth session)
 READ_BURST = 10
+# idle seconds on CUDA between a batch's prompts and its timed decode steps. Decode timed right after a long
+# prompt's prefill (which runs the tensor cores at full power) read slower than after an idle pause: 27B at an
+# 8,192-token context, 5.29-5.49 ms a step once the graphs were captured before the prompts, 5.13 ms while each
+# capture's seconds of host work came between them (docs/performance.md, thirty-seventh session; the GPU's clocks
+# after the prefill are the suspected cause, not yet confirmed)
+DECODE_SETTLE_SECONDS = 1.0
 
 
 @dataclass
@@ -183,6 +189,8 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
             tokens = torch.stack(first)
             model.decode_batch(states, tokens)  # warm-up
             synchronize(device)
+            if device.type == "cuda":
+                time.sleep(DECODE_SETTLE_SECONDS)
             started = time.perf_counter()
             for _ in range(new_tokens - 1):
                 tokens = model.decode_batch(states, tokens).argmax(-1)
