@@ -11,7 +11,8 @@ Decode fraction = (bytes read per step / measured bandwidth) / measured step tim
 (FLOPs / measured rate) / measured time. "Bytes read" counts the weight matrices as the model holds them (packed
 on the fast path, decoded on the reference path) except the untied token embedding (a decode step reads B rows of
 it), and of a MoE's routed experts only the expected share that B tokens × top-k choices touch; a batch decodes in
-one `decode_batch` step (the reference path runs its sequences one after another).
+one `decode_batch` step (the reference path runs its sequences one after another). On CUDA a batch's timed decode
+steps follow its prompts' prefill and one warm-up step after an idle pause (DECODE_SETTLE_SECONDS).
 """
 
 from __future__ import annotations
