@@ -34,8 +34,9 @@ KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the GDN recurrent state as pooled
 SCALE_GROUP = 64
 PAGE = 64  # positions per KV page
-# the decode graphs' step buffers in their shared pool (27B on the H200: 14 MiB for the graphs of 8 slots, 36 MiB for
-# 64, beside their logits; `scripts/device/graph_memory.py`); their logits share one buffer, in the workspace
+# the step graphs' buffers in their shared pool (27B on the H200: 14 MiB for the decode graphs of 8 slots, 36 MiB for
+# 64; 50 MiB after `warm_up(8)`, the 15 short-prompt graphs included; `scripts/device/graph_memory.py`); their logits
+# share one buffer, in the workspace
 GRAPH_POOL_BYTES = 64 * 2**20
 
 

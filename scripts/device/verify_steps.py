@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
     with Artifact.open(args.artifact) as artifact:
+        # a slot more than the batch: the short prompt at the end takes one beside the batch's sequences
         model = FastQwen35.from_artifact(artifact, "cuda", max_sequences=args.batch + 1, max_context=4096,
                                          max_verify_tokens=args.tokens)
     generator = torch.Generator().manual_seed(0)
