@@ -126,6 +126,10 @@ class FastQwen35:
         # the T-token steps' graphs by (B, T, verify); the first T positions after a sequence's length
         width = max(self.max_batch * cache.max_verify_tokens, STEP_TOKENS, self.max_batch)
         self.inputs = torch.zeros((4, width), dtype=torch.int32, device=self.device)
+        # the slots and lengths that rows 1-2 of `inputs` hold once every queued step has run, as the host tracks
+        # them (None: unknown): a decode step advances its live rows' lengths itself, so that the next step of the
+        # same sequences transfers only its ids (`decode_batch`)
+        self.staged: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.step_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.offsets = torch.arange(STEP_TOKENS, dtype=torch.int32, device=self.device)
         # every step's logits, written by the head's GEMV (a decode step's row b: sequence b; a verify step's
@@ -297,11 +301,17 @@ class FastQwen35:
         if ids.numel() != batch:
             raise ValueError(f"{ids.numel()} ids for {batch} sequences")
         # the columns past the batch up to the bucket are padding rows (the scratch slot, its first position)
-        slots = torch.full((self.max_batch,), self.cache.scratch_slot, dtype=torch.int32)
-        slots[:batch] = torch.tensor([s.slot for s in states], dtype=torch.int32)
-        starts = torch.zeros(self.max_batch, dtype=torch.int32)
-        starts[:batch] = torch.tensor([s.length for s in states], dtype=torch.int32)
-        self._stage(ids, [slots, starts])
+        padding = self.max_batch - batch
+        scratch = self.cache.scratch_slot
+        slots = tuple(s.slot for s in states) + (scratch,) * padding
+        starts = tuple(s.length for s in states) + (0,) * padding
+        if self.staged == (slots, starts) and ids.device == self.inputs.device:
+            # the last decode step left these sequences' slots and lengths in the buffer: only the ids travel
+            # (in stream order, on the device), not a host transfer that waits for the step before
+            self.inputs[0, :batch].copy_(ids)
+        else:
+            self._stage(ids, [torch.tensor(slots, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)])
+        self.staged = (slots, tuple(n + (slot != scratch) for slot, n in zip(slots, starts, strict=True)))
         if self.use_graphs:
             graph, logits = self._graph(bucket)
             graph.replay()
@@ -347,6 +357,7 @@ class FastQwen35:
         self._stage(ids.reshape(-1), [torch.tensor([s.slot for s in states], dtype=torch.int32),
                                       torch.tensor([s.length for s in states], dtype=torch.int32),
                                       torch.tensor(snapshots or [], dtype=torch.int32)])
+        self.staged = None  # a T-token step leaves its starts in the buffer, and other ids in the padding columns
         if self.use_graphs:
             graph, logits = self._step_graph(batch, tokens, verify)
             graph.replay()
@@ -444,6 +455,8 @@ class FastQwen35:
             positions = (starts[:, None] + self.offsets[:tokens]).view(-1)
             lengths = positions + 1
             tables = self.cache.block_tables.index_select(0, slots).repeat_interleave(tokens, dim=0)
+            if tokens == 1 and not verify:  # a decode step: its live rows' lengths for the next step (`staged`)
+                starts += slots != self.cache.scratch_slot
         h = self._layers(x, lambda h, i: self._attention_decode(h, i, positions, lengths, tables),
                          lambda h, i: self._gdn_decode(h, i, slots, tokens, snapshots), self.int8_activations)
         if tokens > 1 and not verify:  # a short prompt: only its last position goes through the head
