@@ -305,10 +305,8 @@ class FastQwen35:
         scratch = self.cache.scratch_slot
         slots = tuple(s.slot for s in states) + (scratch,) * padding
         starts = tuple(s.length for s in states) + (0,) * padding
-        if self.staged == (slots, starts) and ids.device == self.inputs.device:
-            # the last decode step left these sequences' slots and lengths in the buffer: only the ids travel
-            # (in stream order, on the device), not a host transfer that waits for the step before
-            self.inputs[0, :batch].copy_(ids)
+        if self.staged == (slots, starts):  # the last decode step left them in the buffer: only the ids travel
+            self._stage(ids, [])
         else:
             self._stage(ids, [torch.tensor(slots, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)])
         self.staged = (slots, tuple(n + (slot != scratch) for slot, n in zip(slots, starts, strict=True)))
@@ -372,9 +370,18 @@ class FastQwen35:
         `rows[r - 1]` into row r, each from column 0. The host rows go from pinned memory without blocking (the
         caching host allocator keeps the buffer until its copy has run) as one contiguous transfer of the whole
         buffer (a copy into strided columns takes a kernel after the transfer); ids already on the device (the last
-        step's sampled tokens) are copied there in stream order. So the host can queue the next step at once."""
-        host = torch.zeros(self.inputs.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        step's sampled tokens) are copied there in stream order. So the host can queue the next step at once. With
+        no `rows`, only the ids travel: rows 1-3 keep what the queued steps leave there."""
         on_device = self.device.type != "cpu" and ids.device.type == self.device.type
+        if not rows:
+            if on_device:
+                self.inputs[0, : ids.numel()].copy_(ids)
+            else:
+                host = ids.to(torch.int32)
+                self.inputs[0, : ids.numel()].copy_(host.pin_memory() if self.device.type == "cuda" else host,
+                                                    non_blocking=True)
+            return
+        host = torch.zeros(self.inputs.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         if not on_device:
             host[0, : ids.numel()] = ids.to(torch.int32)
         for row, values in enumerate(rows, 1):
