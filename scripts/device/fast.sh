@@ -2,6 +2,7 @@
 # On the GPU machine: the fast path's GPU tests, then `ninfer bench` on synthetic presets.
 # Usage: bash scripts/device/fast.sh [tests | tests=FILE,FILE | profile=PRESET | PRESET:RECIPE:BENCH-FLAGS ...]
 #   e.g. bash scripts/device/fast.sh tests "qwen3.8-27b:q4:-p 512 -n 64 -b 1,8"
+# Each bench job's output also goes to $OUT/bench-N-PRESET-RECIPE.log (N: the job's place in the arguments).
 # Wheels in .whl (fla-core etc.) are installed to /tmp/site first when present.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -11,7 +12,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log --oneline -1 2>/dev/null
+index=0
 for job in "$@"; do
+  index=$((index + 1))
   case "$job" in
     tests) files="tests/test_fast_runner_gpu.py tests/test_fast_runner.py tests/test_paged_attention_gpu.py
                   tests/test_paged_attention.py tests/test_gdn_decode_gpu.py tests/test_gdn_decode.py
@@ -34,5 +37,5 @@ for job in "$@"; do
   [ -f "$artifact" ] || python3 -m ninfer synth --preset "$preset" --recipe "$recipe" --device cuda --out "$artifact" \
     --quiet
   # shellcheck disable=SC2086
-  python3 -m ninfer bench "$artifact" --device cuda $flags 2>&1 | tee "$OUT/bench-$preset-$recipe.log" | grep -v "^loading"
+  python3 -m ninfer bench "$artifact" --device cuda $flags 2>&1 | tee "$OUT/bench-$index-$preset-$recipe.log" | grep -v "^loading"
 done
