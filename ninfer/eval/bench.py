@@ -47,8 +47,9 @@ READ_BURST = 10
 # idle seconds on CUDA between a batch's prompts and its timed decode steps. Decode timed right after a long
 # prompt's prefill (which runs the tensor cores at full power) read slower than after an idle pause: 27B at an
 # 8,192-token context, 5.29-5.49 ms a step once the graphs were captured before the prompts, 5.13 ms while each
-# capture's seconds of host work came between them (docs/performance.md, thirty-seventh session; the GPU's clocks
-# after the prefill are the suspected cause, not yet confirmed)
+# capture's seconds of host work came between them (docs/performance.md, thirty-seventh session). With this pause
+# it is 5.13 ms again, against 5.43-5.48 ms without, on one machine (thirty-eighth session); the GPU's clocks after
+# the prefill are the likely cause (not read)
 DECODE_SETTLE_SECONDS = 1.0
 
 
