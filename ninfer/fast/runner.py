@@ -305,16 +305,16 @@ class FastQwen35:
         scratch = self.cache.scratch_slot
         slots = tuple(s.slot for s in states) + (scratch,) * padding
         starts = tuple(s.length for s in states) + (0,) * padding
-        if self.staged == (slots, starts):  # the last decode step left them in the buffer: only the ids travel
-            self._stage(ids, [])
-        else:
-            self._stage(ids, [torch.tensor(slots, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)])
-        self.staged = (slots, tuple(n + (slot != scratch) for slot, n in zip(slots, starts, strict=True)))
+        # when the last decode step left these slots and lengths in the buffer, only the ids travel
+        in_buffer, self.staged = self.staged == (slots, starts), None  # unknown until this step is queued
+        self._stage(ids, [] if in_buffer else [torch.tensor(slots, dtype=torch.int32),
+                                               torch.tensor(starts, dtype=torch.int32)])
         if self.use_graphs:
             graph, logits = self._graph(bucket)
             graph.replay()
         else:
             logits = self._step(bucket, 1, False)
+        self.staged = (slots, tuple(n + (slot != scratch) for slot, n in zip(slots, starts, strict=True)))
         for state in states:
             state.length += 1
         return logits[:batch].clone()
@@ -373,20 +373,17 @@ class FastQwen35:
         step's sampled tokens) are copied there in stream order. So the host can queue the next step at once. With
         no `rows`, only the ids travel: rows 1-3 keep what the queued steps leave there."""
         on_device = self.device.type != "cpu" and ids.device.type == self.device.type
-        if not rows:
-            if on_device:
-                self.inputs[0, : ids.numel()].copy_(ids)
-            else:
-                host = ids.to(torch.int32)
-                self.inputs[0, : ids.numel()].copy_(host.pin_memory() if self.device.type == "cuda" else host,
-                                                    non_blocking=True)
-            return
-        host = torch.zeros(self.inputs.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        if not on_device:
-            host[0, : ids.numel()] = ids.to(torch.int32)
-        for row, values in enumerate(rows, 1):
-            host[row, : values.numel()] = values
-        self.inputs.copy_(host, non_blocking=True)
+        pinned = self.device.type == "cuda"
+        if rows:
+            host = torch.zeros(self.inputs.shape, dtype=torch.int32, pin_memory=pinned)
+            if not on_device:
+                host[0, : ids.numel()] = ids.to(torch.int32)
+            for row, values in enumerate(rows, 1):
+                host[row, : values.numel()] = values
+            self.inputs.copy_(host, non_blocking=True)
+        elif not on_device:
+            host = ids.to(torch.int32)
+            self.inputs[0, : ids.numel()].copy_(host.pin_memory() if pinned else host, non_blocking=True)
         if on_device:
             self.inputs[0, : ids.numel()].copy_(ids)
 
