@@ -18,7 +18,7 @@ The x records are the GEMV's (`activation_quant`): in block b the `mma`'s k-chun
 (record word t) and k-chunk 4 + t its odd lanes (word 4 + t), the same lanes on both sides.
 
 Usage (GPU): python3 scripts/device/marlin_probe.py [--tokens 1,8] [--kernel asm,xsame,xpacked,xpacked-l2,loads,pipe]
-       [--warps 4,8,16] [--depth 1,2] [--prefetch 1,2] [--stages 2,3,4] [--only NAME-PART]
+       [--warps 4,8,16] [--depth 1,2] [--prefetch 1,2] [--stages 2,3,4] [--only NAME-PART] [--maxnreg R]
 `--ncu N K TOKENS WARPS DEPTH` only runs one probe for `ncu` (`profile_target`). Without a GPU,
 `python3 scripts/device/marlin_probe.py --emulate` checks the repacking and the quad unpacking
 in torch against the integer oracle (the `mma` fragment mapping is the ninth session's, checked on the H200)."""
@@ -350,6 +350,7 @@ def pack_x(blocks: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 _PACKED = {}  # id(acts) → (acts, its pack_x), so that the timed calls do not pack
+MAXNREG = {"maxnreg": int(sys.argv[sys.argv.index("--maxnreg") + 1])} if "--maxnreg" in sys.argv else {}
 
 
 def _packed(acts, groups: int) -> torch.Tensor:
@@ -359,13 +360,15 @@ def _packed(acts, groups: int) -> torch.Tensor:
 
 
 def probe(acts, chunks, shape, warps, depth, out=None, x_mode=0, packed=None, prefetch=0, compute=True):
+    """One launch of `_probe_kernel` (`--maxnreg R` on the command line: ptxas's register ceiling, which decides
+    how far ahead of the loop's end it issues the next turn's loads)."""
     n, _ = shape
     tokens = acts.blocks.shape[0]
     out = torch.empty((tokens, n), dtype=torch.bfloat16, device="cuda") if out is None else out
     _probe_kernel[(n // 16, triton.cdiv(tokens, 8))](acts.blocks if packed is None else packed, chunks, out, tokens,
                                                      n, chunks.shape[1], acts.blocks.shape[1], WARPS=warps,
                                                      DEPTH=depth, X_MODE=x_mode, PREFETCH=prefetch,
-                                                     COMPUTE=compute, num_warps=warps)
+                                                     COMPUTE=compute, num_warps=warps, **MAXNREG)
     return out
 
 
