@@ -17,8 +17,9 @@ A quad is the code times 8 as int8 (nibble in bits 3..6, the fifth bit as the si
 The x records are the GEMV's (`activation_quant`): in block b the `mma`'s k-chunk t is the even lanes of unit t
 (record word t) and k-chunk 4 + t its odd lanes (word 4 + t), the same lanes on both sides.
 
-Usage (GPU): python3 scripts/device/marlin_probe.py [--tokens 1,8] [--kernel asm,xsame,xpacked,xpacked-l2,loads,pipe]
-       [--warps 4,8,16] [--depth 1,2] [--prefetch 1,2] [--stages 2,3,4] [--only NAME-PART] [--maxnreg R]
+Usage (GPU): python3 scripts/device/marlin_probe.py [--tokens 1,8] [--warps 4,8,16] [--depth 1,2] [--only NAME-PART]
+       [--kernel asm,xsame,xpacked,xpacked-split,xpacked-l2,loads,pipe] [--prefetch 1,2] [--split 2]
+       [--stages 2,3,4] [--maxnreg R]
 `--ncu N K TOKENS WARPS DEPTH` only runs one probe for `ncu` (`profile_target`). Without a GPU,
 `python3 scripts/device/marlin_probe.py --emulate` checks the repacking and the quad unpacking
 in torch against the integer oracle (the `mma` fragment mapping is the ninth session's, checked on the H200)."""
@@ -213,10 +214,13 @@ def _prefetch(at):
 
 @triton.jit
 def _probe_kernel(x_ptr, chunk_ptr, out_ptr, T, N, groups, x_block_count, WARPS: tl.constexpr, DEPTH: tl.constexpr,
-                  X_MODE: tl.constexpr, PREFETCH: tl.constexpr = 0, COMPUTE: tl.constexpr = True):
-    """Program (stripe, token tile of 8): 16 rows; warp w walks groups w, w + WARPS, … in turns of DEPTH groups,
-    each group's operands loaded DEPTH groups ahead into its own registers (unrolled: no register copies, which
-    would wait for the loads); the warps' sums meet in one reduction; out [T, N] bf16."""
+                  X_MODE: tl.constexpr, PREFETCH: tl.constexpr = 0, COMPUTE: tl.constexpr = True,
+                  SPLIT: tl.constexpr = 1):
+    """Program (stripe, token tile of 8, part of K): 16 rows; warp w walks groups w, w + WARPS, … of its part in
+    turns of DEPTH groups, each group's operands loaded DEPTH groups ahead into its own registers (unrolled: no
+    register copies, which would wait for the loads); the warps' sums meet in one reduction; out [T, N] bf16, or
+    with SPLIT parts of K (more warps for matrices of few rows) fp32 that the parts add to (zeroed by the caller;
+    two parts' sums are the same bits in either order)."""
     lane = tl.arange(0, 32)[None, :]
     warp = tl.arange(0, WARPS)[:, None]
     g = lane // 4
@@ -233,9 +237,10 @@ def _probe_kernel(x_ptr, chunk_ptr, out_ptr, T, N, groups, x_block_count, WARPS:
     chunk = chunk_ptr + stripe * groups * 168
     zero = tl.zeros([WARPS, 32], tl.float32)
     acc = (zero, zero, zero, zero)
-    steps = groups // WARPS  # groups of a warp
+    steps = groups // (WARPS * SPLIT)  # groups of a warp
     turns = tl.cdiv(steps, DEPTH)
-    # step s of warp w is group s · WARPS + w; loads past the last step read the last one again
+    # step s of warp w is group (part · steps + s) · WARPS + w; loads past the last step read the last one again
+    warp = warp + tl.program_id(2) * steps * WARPS
     ops0 = _load(chunk, x_b, x_s0, x_s1, g, lane, warp, X_MODE)
     if DEPTH >= 2:
         ops1 = _load(chunk, x_b, x_s0, x_s1, g, lane, tl.minimum(1, steps - 1) * WARPS + warp, X_MODE)
@@ -265,10 +270,16 @@ def _probe_kernel(x_ptr, chunk_ptr, out_ptr, T, N, groups, x_block_count, WARPS:
     out = out_ptr + tok.to(tl.int64) * N + row_g
     ok0 = tok < T
     ok1 = tok + 1 < T
-    tl.store(out, tl.sum(acc0, axis=0).to(tl.bfloat16), mask=ok0)
-    tl.store(out + N, tl.sum(acc1, axis=0).to(tl.bfloat16), mask=ok1)
-    tl.store(out + 8, tl.sum(acc2, axis=0).to(tl.bfloat16), mask=ok0)
-    tl.store(out + N + 8, tl.sum(acc3, axis=0).to(tl.bfloat16), mask=ok1)
+    if SPLIT == 1:
+        tl.store(out, tl.sum(acc0, axis=0).to(tl.bfloat16), mask=ok0)
+        tl.store(out + N, tl.sum(acc1, axis=0).to(tl.bfloat16), mask=ok1)
+        tl.store(out + 8, tl.sum(acc2, axis=0).to(tl.bfloat16), mask=ok0)
+        tl.store(out + N + 8, tl.sum(acc3, axis=0).to(tl.bfloat16), mask=ok1)
+    else:
+        tl.atomic_add(out, tl.sum(acc0, axis=0), mask=ok0, sem="relaxed")
+        tl.atomic_add(out + N, tl.sum(acc1, axis=0), mask=ok1, sem="relaxed")
+        tl.atomic_add(out + 8, tl.sum(acc2, axis=0), mask=ok0, sem="relaxed")
+        tl.atomic_add(out + N + 8, tl.sum(acc3, axis=0), mask=ok1, sem="relaxed")
 
 
 @triton.jit
@@ -359,16 +370,20 @@ def _packed(acts, groups: int) -> torch.Tensor:
     return _PACKED[id(acts)][1]
 
 
-def probe(acts, chunks, shape, warps, depth, out=None, x_mode=0, packed=None, prefetch=0, compute=True):
+def probe(acts, chunks, shape, warps, depth, out=None, x_mode=0, packed=None, prefetch=0, compute=True, split=1):
     """One launch of `_probe_kernel` (`--maxnreg R` on the command line: ptxas's register ceiling, which decides
-    how far ahead of the loop's end it issues the next turn's loads)."""
+    how far ahead of the loop's end it issues the next turn's loads). With `split` > 1 the result is fp32, and the
+    zeroing of it is part of the call."""
     n, _ = shape
     tokens = acts.blocks.shape[0]
-    out = torch.empty((tokens, n), dtype=torch.bfloat16, device="cuda") if out is None else out
-    _probe_kernel[(n // 16, triton.cdiv(tokens, 8))](acts.blocks if packed is None else packed, chunks, out, tokens,
-                                                     n, chunks.shape[1], acts.blocks.shape[1], WARPS=warps,
-                                                     DEPTH=depth, X_MODE=x_mode, PREFETCH=prefetch,
-                                                     COMPUTE=compute, num_warps=warps, **MAXNREG)
+    if split > 1:
+        out = torch.zeros((tokens, n), dtype=torch.float32, device="cuda")
+    elif out is None:
+        out = torch.empty((tokens, n), dtype=torch.bfloat16, device="cuda")
+    _probe_kernel[(n // 16, triton.cdiv(tokens, 8), split)](
+        acts.blocks if packed is None else packed, chunks, out, tokens, n, chunks.shape[1], acts.blocks.shape[1],
+        WARPS=warps, DEPTH=depth, X_MODE=x_mode, PREFETCH=prefetch, COMPUTE=compute, SPLIT=split, num_warps=warps,
+        **MAXNREG)
     return out
 
 
@@ -401,6 +416,12 @@ def _variants():
         variants += [(f"loads only (timing), warps {w:2d} depth {d}", False,
                       lambda acts, chunks, shape, out, w=w, d=d: probe(
                           acts, chunks, shape, w, d, out, 2, _packed(acts, chunks.shape[1]), compute=False))
+                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
+    if "xpacked-split" in kernels:  # K in `--split` parts a stripe, added in fp32 (the zeroing timed)
+        variants += [(f"x packed, K in {sp} parts, warps {w:2d} depth {d}", False,
+                      lambda acts, chunks, shape, out, w=w, d=d, sp=sp: probe(
+                          acts, chunks, shape, w, d, out, 2, _packed(acts, chunks.shape[1]), split=sp))
+                     for sp in _ints("--split", [2])
                      for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
     if "xpacked-l2" in kernels:  # and the chunks `--prefetch` turns further ahead prefetched into L2
         variants += [(f"x packed, L2 prefetch {pf}, warps {w:2d} depth {d}", False,
@@ -457,7 +478,8 @@ def main() -> None:
                   flush=True)
             out = torch.empty((tokens, n), dtype=torch.bfloat16, device="cuda")
             for label, planar, call in variants:
-                if "warps" in label and (k // 64) % int(label.split("warps")[1].split()[0]):
+                parts = int(label.split("K in ")[1].split()[0]) if "K in " in label else 1
+                if "warps" in label and (k // 64) % (int(label.split("warps")[1].split()[0]) * parts):
                     continue
                 rotation = itertools.cycle(repacked[planar])
                 us = triton.testing.do_bench_cudagraph(
