@@ -18,7 +18,7 @@ The x records are the GEMV's (`activation_quant`): in block b the `mma`'s k-chun
 (record word t) and k-chunk 4 + t its odd lanes (word 4 + t), the same lanes on both sides.
 
 Usage (GPU): python3 scripts/device/marlin_probe.py [--tokens 1,8] [--warps 4,8,16] [--depth 1,2] [--only NAME-PART]
-       [--kernel asm,xsame,xpacked,xpacked-split,xpacked-l2,loads,pipe] [--prefetch 1,2] [--split 2]
+       [--kernel asm,xsame,xpacked,xpacked-split,dp4a,xpacked-l2,loads,pipe] [--prefetch 1,2] [--split 2]
        [--stages 2,3,4] [--maxnreg R]
 `--ncu N K TOKENS WARPS DEPTH` only runs one probe for `ncu` (`profile_target`). Without a GPU,
 `python3 scripts/device/marlin_probe.py --emulate` checks the repacking and the quad unpacking
@@ -391,6 +391,76 @@ def _ints(flag, default):
     return [int(v) for v in sys.argv[sys.argv.index(flag) + 1].split(",")] if flag in sys.argv else default
 
 
+@triton.jit
+def _dp4a(a, b, c):
+    """c + Σ_i int8 byte_i(a) · int8 byte_i(b), one `dp4a` a lane."""
+    return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _one_token_kernel(x_ptr, chunk_ptr, out_ptr, N, groups, WARPS: tl.constexpr, DEPTH: tl.constexpr):
+    """The same chunks and packed x (`pack_x` of one token) for T = 1 with `dp4a` instead of `mma`: lane 4g + t
+    multiplies its own 32 codes (rows g, g + 8 × blocks 0, 1 × unit t) by the token's quads, 8 `dp4a` a group
+    (about half the mma route's instructions), and the 4 lanes of a row meet once at the end. Loads as in
+    `_probe_kernel` (DEPTH groups ahead, unrolled)."""
+    lane = tl.arange(0, 32)[None, :]
+    warp = tl.arange(0, WARPS)[:, None]
+    g = lane // 4
+    stripe = tl.program_id(0).to(tl.int64)
+    chunk = chunk_ptr + stripe * groups * 168
+    x_b = x_ptr + 0 * g
+    zero = tl.zeros([WARPS, 32], tl.float32)
+    acc_g = zero
+    acc_h = zero
+    steps = groups // WARPS
+    turns = tl.cdiv(steps, DEPTH)
+    ops0 = _load(chunk, x_b, x_b, x_b, g, lane, warp, 2)
+    if DEPTH >= 2:
+        ops1 = _load(chunk, x_b, x_b, x_b, g, lane, tl.minimum(1, steps - 1) * WARPS + warp, 2)
+    for turn in range(turns):
+        s = turn * DEPTH
+        acc_g, acc_h = _one_token_group(acc_g, acc_h, ops0, s < steps)
+        ops0 = _load(chunk, x_b, x_b, x_b, g, lane, tl.minimum(s + DEPTH, steps - 1) * WARPS + warp, 2)
+        if DEPTH >= 2:
+            acc_g, acc_h = _one_token_group(acc_g, acc_h, ops1, s + 1 < steps)
+            ops1 = _load(chunk, x_b, x_b, x_b, g, lane, tl.minimum(s + DEPTH + 1, steps - 1) * WARPS + warp, 2)
+    rows = stripe * 16 + tl.arange(0, 8)
+    tl.store(out_ptr + rows, tl.sum(tl.reshape(tl.sum(acc_g, axis=0), [8, 4]), axis=1).to(tl.bfloat16))
+    tl.store(out_ptr + rows + 8, tl.sum(tl.reshape(tl.sum(acc_h, axis=0), [8, 4]), axis=1).to(tl.bfloat16))
+
+
+@triton.jit
+def _one_token_group(acc_g, acc_h, ops, valid):
+    """One group for one token: the block dots of unit t from 8 `dp4a` (C started at MAGIC's bits), then the
+    scales."""
+    wg0, wh0, wg1, wh1, high, scale, b0, b1, s0, _s1, c0, c1, r0, _r1 = ops  # tokens 2t + 1: the same token
+    ws_g = (scale & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
+    ws_h = (scale >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
+    ws_g = tl.where(valid, ws_g, 0.0)
+    ws_h = tl.where(valid, ws_h, 0.0)
+    magic = wg0 * 0 + 0x4B400000
+    g0 = _dp4a(_quads(wg0, high, 1), b1, _dp4a(_quads(wg0, high, 0), b0, magic))
+    h0 = _dp4a(_quads(wh0, high, 3), b1, _dp4a(_quads(wh0, high, 2), b0, magic))
+    g1 = _dp4a(_quads(wg1, high, 5), c1, _dp4a(_quads(wg1, high, 4), c0, magic))
+    h1 = _dp4a(_quads(wh1, high, 7), c1, _dp4a(_quads(wh1, high, 6), c0, magic))
+    x0 = s0.to(tl.float32, bitcast=True)
+    x1 = r0.to(tl.float32, bitcast=True)
+    dots_g = (g0.to(tl.float32, bitcast=True) - 12582912.0) * x0 + (g1.to(tl.float32, bitcast=True) - 12582912.0) * x1
+    dots_h = (h0.to(tl.float32, bitcast=True) - 12582912.0) * x0 + (h1.to(tl.float32, bitcast=True) - 12582912.0) * x1
+    return acc_g + dots_g * ws_g, acc_h + dots_h * ws_h
+
+
+def one_token(acts, chunks, shape, warps, depth, out=None):
+    """`_one_token_kernel` on x packed once outside the timed calls (T = 1 only)."""
+    n, _ = shape
+    assert acts.blocks.shape[0] == 1
+    out = torch.empty((1, n), dtype=torch.bfloat16, device="cuda") if out is None else out
+    _one_token_kernel[(n // 16,)](_packed(acts, chunks.shape[1]), chunks, out, n, chunks.shape[1], WARPS=warps,
+                                  DEPTH=depth, num_warps=warps, **MAXNREG)
+    return out
+
+
 def _variants():
     """(label, planar chunks, call(acts, chunks, shape, out)) for the kernels and settings on the command line;
     "xsame" is the register-ahead probe with every group reading the first group's x records (`X_MODE` 1): wrong
@@ -423,6 +493,10 @@ def _variants():
                           acts, chunks, shape, w, d, out, 2, _packed(acts, chunks.shape[1]), split=sp))
                      for sp in _ints("--split", [2])
                      for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
+    if "dp4a" in kernels:  # one token only
+        variants += [(f"one token, dp4a, warps {w:2d} depth {d}", False,
+                      lambda acts, chunks, shape, out, w=w, d=d: one_token(acts, chunks, shape, w, d, out))
+                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
     if "xpacked-l2" in kernels:  # and the chunks `--prefetch` turns further ahead prefetched into L2
         variants += [(f"x packed, L2 prefetch {pf}, warps {w:2d} depth {d}", False,
                       lambda acts, chunks, shape, out, w=w, d=d, pf=pf: probe(
@@ -450,7 +524,7 @@ def main() -> None:
         expected = quant_linear_reference(x, data, shape, FORMAT, int8_activations=True)
         errors = []
         for label, planar, call in variants:
-            if "(timing)" in label:
+            if "(timing)" in label or ("one token" in label and tokens > 1):
                 continue
             got = call(acts, chunks[planar], shape, None).float()
             errors.append(float((got - expected).norm() / expected.norm()))
@@ -478,6 +552,8 @@ def main() -> None:
                   flush=True)
             out = torch.empty((tokens, n), dtype=torch.bfloat16, device="cuda")
             for label, planar, call in variants:
+                if "one token" in label and tokens > 1:
+                    continue
                 parts = int(label.split("K in ")[1].split()[0]) if "K in " in label else 1
                 if "warps" in label and (k // 64) % (int(label.split("warps")[1].split()[0]) * parts):
                     continue
