@@ -18,7 +18,7 @@ The x records are the GEMV's (`activation_quant`): in block b the `mma`'s k-chun
 (record word t) and k-chunk 4 + t its odd lanes (word 4 + t), the same lanes on both sides.
 
 Usage (GPU): python3 scripts/device/marlin_probe.py [--tokens 1,8] [--warps 4,8,16] [--depth 1,2] [--only NAME-PART]
-       [--kernel asm,xsame,xpacked,xpacked-split,dp4a,xpacked-l2,loads,pipe] [--prefetch 1,2] [--split 2]
+       [--kernel asm,xsame,xpacked,xpacked-split,dp4a,dp4a-split,xpacked-l2,loads,pipe] [--prefetch 1,2] [--split 2]
        [--stages 2,3,4] [--maxnreg R]
 `--ncu N K TOKENS WARPS DEPTH` only runs one probe for `ncu` (`profile_target`). Without a GPU,
 `python3 scripts/device/marlin_probe.py --emulate` checks the repacking and the quad unpacking
@@ -399,11 +399,12 @@ def _dp4a(a, b, c):
 
 
 @triton.jit
-def _one_token_kernel(x_ptr, chunk_ptr, out_ptr, N, groups, WARPS: tl.constexpr, DEPTH: tl.constexpr):
+def _one_token_kernel(x_ptr, chunk_ptr, out_ptr, N, groups, WARPS: tl.constexpr, DEPTH: tl.constexpr,
+                      SPLIT: tl.constexpr = 1):
     """The same chunks and packed x (`pack_x` of one token) for T = 1 with `dp4a` instead of `mma`: lane 4g + t
     multiplies its own 32 codes (rows g, g + 8 × blocks 0, 1 × unit t) by the token's quads, 8 `dp4a` a group
     (about half the mma route's instructions), and the 4 lanes of a row meet once at the end. Loads as in
-    `_probe_kernel` (DEPTH groups ahead, unrolled)."""
+    `_probe_kernel` (DEPTH groups ahead, unrolled), and so is SPLIT (parts of K added into an fp32 output)."""
     lane = tl.arange(0, 32)[None, :]
     warp = tl.arange(0, WARPS)[:, None]
     g = lane // 4
@@ -413,8 +414,9 @@ def _one_token_kernel(x_ptr, chunk_ptr, out_ptr, N, groups, WARPS: tl.constexpr,
     zero = tl.zeros([WARPS, 32], tl.float32)
     acc_g = zero
     acc_h = zero
-    steps = groups // WARPS
+    steps = groups // (WARPS * SPLIT)
     turns = tl.cdiv(steps, DEPTH)
+    warp = warp + tl.program_id(1) * steps * WARPS
     ops0 = _load(chunk, x_b, x_b, x_b, g, lane, warp, 2)
     if DEPTH >= 2:
         ops1 = _load(chunk, x_b, x_b, x_b, g, lane, tl.minimum(1, steps - 1) * WARPS + warp, 2)
@@ -426,8 +428,14 @@ def _one_token_kernel(x_ptr, chunk_ptr, out_ptr, N, groups, WARPS: tl.constexpr,
             acc_g, acc_h = _one_token_group(acc_g, acc_h, ops1, s + 1 < steps)
             ops1 = _load(chunk, x_b, x_b, x_b, g, lane, tl.minimum(s + DEPTH + 1, steps - 1) * WARPS + warp, 2)
     rows = stripe * 16 + tl.arange(0, 8)
-    tl.store(out_ptr + rows, tl.sum(tl.reshape(tl.sum(acc_g, axis=0), [8, 4]), axis=1).to(tl.bfloat16))
-    tl.store(out_ptr + rows + 8, tl.sum(tl.reshape(tl.sum(acc_h, axis=0), [8, 4]), axis=1).to(tl.bfloat16))
+    y_g = tl.sum(tl.reshape(tl.sum(acc_g, axis=0), [8, 4]), axis=1)
+    y_h = tl.sum(tl.reshape(tl.sum(acc_h, axis=0), [8, 4]), axis=1)
+    if SPLIT == 1:
+        tl.store(out_ptr + rows, y_g.to(tl.bfloat16))
+        tl.store(out_ptr + rows + 8, y_h.to(tl.bfloat16))
+    else:
+        tl.atomic_add(out_ptr + rows, y_g, sem="relaxed")
+        tl.atomic_add(out_ptr + rows + 8, y_h, sem="relaxed")
 
 
 @triton.jit
@@ -451,13 +459,17 @@ def _one_token_group(acc_g, acc_h, ops, valid):
     return acc_g + dots_g * ws_g, acc_h + dots_h * ws_h
 
 
-def one_token(acts, chunks, shape, warps, depth, out=None):
-    """`_one_token_kernel` on x packed once outside the timed calls (T = 1 only)."""
+def one_token(acts, chunks, shape, warps, depth, out=None, split=1):
+    """`_one_token_kernel` on x packed once outside the timed calls (T = 1 only); with `split` > 1 the result is
+    fp32 and its zeroing part of the call."""
     n, _ = shape
     assert acts.blocks.shape[0] == 1
-    out = torch.empty((1, n), dtype=torch.bfloat16, device="cuda") if out is None else out
-    _one_token_kernel[(n // 16,)](_packed(acts, chunks.shape[1]), chunks, out, n, chunks.shape[1], WARPS=warps,
-                                  DEPTH=depth, num_warps=warps, **MAXNREG)
+    if split > 1:
+        out = torch.zeros((1, n), dtype=torch.float32, device="cuda")
+    elif out is None:
+        out = torch.empty((1, n), dtype=torch.bfloat16, device="cuda")
+    _one_token_kernel[(n // 16, split)](_packed(acts, chunks.shape[1]), chunks, out, n, chunks.shape[1],
+                                        WARPS=warps, DEPTH=depth, SPLIT=split, num_warps=warps, **MAXNREG)
     return out
 
 
@@ -496,6 +508,11 @@ def _variants():
     if "dp4a" in kernels:  # one token only
         variants += [(f"one token, dp4a, warps {w:2d} depth {d}", False,
                       lambda acts, chunks, shape, out, w=w, d=d: one_token(acts, chunks, shape, w, d, out))
+                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
+    if "dp4a-split" in kernels:
+        variants += [(f"one token, dp4a, K in {sp} parts, warps {w:2d} depth {d}", False,
+                      lambda acts, chunks, shape, out, w=w, d=d, sp=sp: one_token(acts, chunks, shape, w, d, out, sp))
+                     for sp in _ints("--split", [2])
                      for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
     if "xpacked-l2" in kernels:  # and the chunks `--prefetch` turns further ahead prefetched into L2
         variants += [(f"x packed, L2 prefetch {pf}, warps {w:2d} depth {d}", False,
