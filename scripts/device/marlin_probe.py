@@ -22,9 +22,11 @@ Usage (GPU): python3 scripts/device/marlin_probe.py [--tokens 1,8] [--warps 4,8,
        [--stages 2,3,4] [--maxnreg R]
 `--ncu N K TOKENS WARPS DEPTH` only runs one probe for `ncu` (`profile_target`). Without a GPU,
 `python3 scripts/device/marlin_probe.py --emulate` checks the repacking and the quad unpacking
-in torch against the integer oracle (the `mma` fragment mapping is the ninth session's, checked on the H200)."""
+in torch against the integer oracle (the `mma` fragment mapping is the ninth session's, checked on the H200), and
+`TRITON_INTERPRET=1 python3 scripts/device/marlin_probe.py --interpret` runs the one-token `dp4a` kernel."""
 
 import itertools
+import os
 import sys
 
 import torch
@@ -117,6 +119,10 @@ from device_timing import read_bandwidth, rotating_copies  # noqa: E402
 from ninfer.kernels.activation_quant import quantize_activations  # noqa: E402
 from ninfer.kernels.quant_linear import quant_linear_gemv  # noqa: E402
 
+# inline PTX on the GPU; plain loads and integer ops under the interpreter (`--interpret`: the one-token kernel only,
+# since an `mma` fragment spans lanes)
+ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
 
 @triton.jit
 def _mma(a0, a1, a2, a3, b0, b1):
@@ -155,16 +161,20 @@ def _block(acc0, acc1, acc2, acc3, wg, wh, high, b0, b1, s0, s1, ws_g, ws_h, B: 
 def _word(at):
     """One 32-bit load a lane, in place (inline PTX: `tl.load` of contiguous lanes is vectorized in a layout that
     costs shared-memory conversions in the loop)."""
-    return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [at], dtype=tl.int32, is_pure=False,
-                                     pack=1)
+    if ASM:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [at], dtype=tl.int32, is_pure=False,
+                                         pack=1)
+    return tl.load(at)
 
 
 @triton.jit
 def _vector(at, CACHE: tl.constexpr):
     """Four 32-bit words a lane from one 16-byte load at `at` (CACHE: the PTX load qualifiers)."""
-    return tl.inline_asm_elementwise(
-        "ld.global" + CACHE + ".v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [at],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "ld.global" + CACHE + ".v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [at],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+    return tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
 
 
 @triton.jit
@@ -394,8 +404,11 @@ def _ints(flag, default):
 @triton.jit
 def _dp4a(a, b, c):
     """c + Σ_i int8 byte_i(a) · int8 byte_i(b), one `dp4a` a lane."""
-    return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                     is_pure=True, pack=1)
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    return (c + ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+            + ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24))
 
 
 @triton.jit
@@ -465,9 +478,9 @@ def one_token(acts, chunks, shape, warps, depth, out=None, split=1):
     n, _ = shape
     assert acts.blocks.shape[0] == 1
     if split > 1:
-        out = torch.zeros((1, n), dtype=torch.float32, device="cuda")
+        out = torch.zeros((1, n), dtype=torch.float32, device=chunks.device)
     elif out is None:
-        out = torch.empty((1, n), dtype=torch.bfloat16, device="cuda")
+        out = torch.empty((1, n), dtype=torch.bfloat16, device=chunks.device)
     _one_token_kernel[(n // 16, split)](_packed(acts, chunks.shape[1]), chunks, out, n, chunks.shape[1],
                                         WARPS=warps, DEPTH=depth, SPLIT=split, num_warps=warps, **MAXNREG)
     return out
@@ -596,8 +609,30 @@ def profile_target() -> None:
     torch.cuda.synchronize()
 
 
+def interpret_check() -> None:
+    """`TRITON_INTERPRET=1 python3 scripts/device/marlin_probe.py --interpret` (CPU): the one-token kernel, whole
+    and with K in two parts, against the integer oracle."""
+    assert not ASM, "--interpret needs TRITON_INTERPRET=1"
+    torch.manual_seed(0)
+    codec = codec_for(FORMAT)
+    shape = (32, 1024)
+    data = codec.encode(torch.randn(*shape) * 0.02)
+    chunks = repack(data, shape)
+    x = torch.randn(1, shape[1])
+    acts = quantize_activations_reference(x)
+    expected = quant_linear_reference(x, data, shape, FORMAT, int8_activations=True)
+    for warps, depth, split in itertools.product((1, 2), (1, 2), (1, 2)):
+        got = one_token(acts, chunks, shape, warps, depth, split=split).float()
+        error = float((got - expected).norm() / expected.norm())
+        print(f"one token, warps {warps} depth {depth} K in {split} parts: relative error {error:.1e}", flush=True)
+        # fp32 with K in parts; bf16 whole (the interpreter's conversion is coarser than the GPU's rounding)
+        assert error < (1e-6 if split > 1 else 8e-3), error
+
+
 if __name__ == "__main__":
-    if "--ncu" in sys.argv:
+    if "--interpret" in sys.argv:
+        interpret_check()
+    elif "--ncu" in sys.argv:
         profile_target()
     else:
         main()
