@@ -625,7 +625,7 @@ def interpret_check() -> None:
         got = one_token(acts, chunks, shape, warps, depth, split=split).float()
         error = float((got - expected).norm() / expected.norm())
         print(f"one token, warps {warps} depth {depth} K in {split} parts: relative error {error:.1e}", flush=True)
-        # fp32 with K in parts; bf16 whole (the interpreter's conversion is coarser than the GPU's rounding)
+        # fp32 with K in parts; bf16 whole (the interpreter truncates to bf16 where the GPU rounds to nearest)
         assert error < (1e-6 if split > 1 else 8e-3), error
 
 
