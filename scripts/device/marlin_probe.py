@@ -37,7 +37,6 @@ from ninfer.quant import codec_for
 
 FORMAT = "q5_g64_fp16"
 CHUNK_WORDS = 168
-MAGIC = 0x4B400000  # the int32 bits of 1.5 · 2^23: mma's C start, so that D's bits are the exact float M + dot
 
 
 def repack(data: torch.Tensor, shape: tuple[int, int], planar: bool = False) -> torch.Tensor:
@@ -126,9 +125,9 @@ ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 @triton.jit
 def _mma(a0, a1, a2, a3, b0, b1):
-    """One int8 `mma.sync.m16n8k32` (one element a lane), C started at MAGIC: lane 4g + t gives A rows g, g + 8
-    (a0, a1: k 4t..4t + 3; a2, a3: k 16 + 4t..) and B column g (b0, b1 the same k); the results are the float bits
-    of 1.5 · 2^23 + dot at (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)."""
+    """One int8 `mma.sync.m16n8k32` (one element a lane), C started at 0x4B400000 (the bits of 1.5 · 2^23): lane
+    4g + t gives A rows g, g + 8 (a0, a1: k 4t..4t + 3; a2, a3: k 16 + 4t..) and B column g (b0, b1 the same k); the
+    results are the float bits of 1.5 · 2^23 + dot at (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)."""
     return tl.inline_asm_elementwise(
         "{ .reg .b32 m; mov.b32 m, 0x4B400000; mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, "
         "{$4, $5, $6, $7}, {$8, $9}, {m, m, m, m}; }",
@@ -453,7 +452,7 @@ def _one_token_kernel(x_ptr, chunk_ptr, out_ptr, N, groups, WARPS: tl.constexpr,
 
 @triton.jit
 def _one_token_group(acc_g, acc_h, ops, valid):
-    """One group for one token: the block dots of unit t from 8 `dp4a` (C started at MAGIC's bits), then the
+    """One group for one token: the block dots of unit t from 8 `dp4a` (C started at 0x4B400000), then the
     scales."""
     wg0, wh0, wg1, wh1, high, scale, b0, b1, s0, _s1, c0, c1, r0, _r1 = ops  # tokens 2t + 1: the same token
     ws_g = (scale & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
