@@ -28,6 +28,8 @@ in torch against the integer oracle (the `mma` fragment mapping is the ninth ses
 import itertools
 import os
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -143,6 +145,15 @@ def _quads(w, high, Q: tl.constexpr):
 
 
 @triton.jit
+def _weight_scales(scale, valid):
+    """The fp16 scales of rows g (low half) and g + 8 of a chunk's scale word, times the quads' 1/8; 0 where not
+    `valid`."""
+    ws_g = (scale & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
+    ws_h = (scale >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
+    return tl.where(valid, ws_g, 0.0), tl.where(valid, ws_h, 0.0)
+
+
+@triton.jit
 def _block(acc0, acc1, acc2, acc3, wg, wh, high, b0, b1, s0, s1, ws_g, ws_h, B: tl.constexpr):
     """Block B of a group: acc (rows g, g + 8 × tokens 2t, 2t + 1) += dot · w scale · x scale."""
     d0, d1, d2, d3 = _mma(_quads(wg, high, 4 * B), _quads(wh, high, 4 * B + 2), _quads(wg, high, 4 * B + 1),
@@ -204,10 +215,7 @@ def _group(acc, ops, valid, COMPUTE: tl.constexpr):
     if not COMPUTE:
         mixed = wg0 ^ wh0 ^ wg1 ^ wh1 ^ high ^ scale ^ b0 ^ b1 ^ s0 ^ s1 ^ c0 ^ c1 ^ r0 ^ r1
         return acc0 + mixed.to(tl.float32), acc1, acc2, acc3
-    ws_g = (scale & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
-    ws_h = (scale >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
-    ws_g = tl.where(valid, ws_g, 0.0)
-    ws_h = tl.where(valid, ws_h, 0.0)
+    ws_g, ws_h = _weight_scales(scale, valid)
     acc0, acc1, acc2, acc3 = _block(acc0, acc1, acc2, acc3, wg0, wh0, high, b0, b1, s0, s1, ws_g, ws_h, 0)
     acc0, acc1, acc2, acc3 = _block(acc0, acc1, acc2, acc3, wg1, wh1, high, c0, c1, r0, r1, ws_g, ws_h, 1)
     return acc0, acc1, acc2, acc3
@@ -323,8 +331,7 @@ def _pipelined_kernel(x_ptr, chunk_ptr, out_ptr, T, N, groups, x_block_count, WA
         wh1 = tl.load(at + 96)
         high = tl.load(at + 128)
         scale = tl.load(chunk + j * 168 + 160 + g)
-        ws_g = (scale & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
-        ws_h = (scale >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
+        ws_g, ws_h = _weight_scales(scale, True)
         acc0, acc1, acc2, acc3 = _block(acc0, acc1, acc2, acc3, wg0, wh0, high, tl.load(x_b + rec),
                                         tl.load(x_b + rec + 4), tl.load(x_s0 + rec), tl.load(x_s1 + rec), ws_g, ws_h,
                                         0)
@@ -455,10 +462,7 @@ def _one_token_group(acc_g, acc_h, ops, valid):
     """One group for one token: the block dots of unit t from 8 `dp4a` (C started at 0x4B400000), then the
     scales."""
     wg0, wh0, wg1, wh1, high, scale, b0, b1, s0, _s1, c0, c1, r0, _r1 = ops  # tokens 2t + 1: the same token
-    ws_g = (scale & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
-    ws_h = (scale >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
-    ws_g = tl.where(valid, ws_g, 0.0)
-    ws_h = tl.where(valid, ws_h, 0.0)
+    ws_g, ws_h = _weight_scales(scale, valid)
     magic = wg0 * 0 + 0x4B400000
     g0 = _dp4a(_quads(wg0, high, 1), b1, _dp4a(_quads(wg0, high, 0), b0, magic))
     h0 = _dp4a(_quads(wh0, high, 3), b1, _dp4a(_quads(wh0, high, 2), b0, magic))
@@ -485,56 +489,60 @@ def one_token(acts, chunks, shape, warps, depth, out=None, split=1):
     return out
 
 
-def _variants():
-    """(label, planar chunks, call(acts, chunks, shape, out)) for the kernels and settings on the command line;
-    "xsame" is the register-ahead probe with every group reading the first group's x records (`X_MODE` 1): wrong
-    results, timed only, to tell the x records' share of the time from the weights'; "xpacked" reads x from
-    `pack_x`'s layout (`X_MODE` 2), packed once outside the timed calls."""
+class Variant(NamedTuple):
+    """One timed kernel setting: `call(acts, chunks, shape, out)`; the group count of a matrix must be a multiple of
+    `stride` (warps × parts of K); `planar` chunks; `checked` against the oracle first (False: wrong results by
+    design, timed only); `one_token`: T = 1 only."""
+
+    label: str
+    call: Callable
+    stride: int
+    planar: bool = False
+    checked: bool = True
+    one_token: bool = False
+
+
+def _variants() -> list[Variant]:
+    """The kernels and settings on the command line. "xsame" is the register-ahead probe with every group reading
+    the first group's x records (`X_MODE` 1), to tell the x records' share of the time from the weights'; "xpacked"
+    reads x from `pack_x`'s layout (`X_MODE` 2), packed once outside the timed calls."""
     warp_counts = _ints("--warps", [4, 8, 16])
     kernels = sys.argv[sys.argv.index("--kernel") + 1].split(",") if "--kernel" in sys.argv else ["asm", "pipe"]
+    depths = list(itertools.product(warp_counts, _ints("--depth", [1, 2])))
+    splits = _ints("--split", [2])
     variants = []
     if "asm" in kernels:
-        variants += [(f"registers ahead, warps {w:2d} depth {d}", False,
-                      lambda acts, chunks, shape, out, w=w, d=d: probe(acts, chunks, shape, w, d, out))
-                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
+        variants += [Variant(f"registers ahead, warps {w:2d} depth {d}", lambda a, c, sh, o, w=w, d=d: probe(
+            a, c, sh, w, d, o), w) for w, d in depths]
     if "xsame" in kernels:
-        variants += [(f"x of group 0 only (timing), warps {w:2d} depth {d}", False,
-                      lambda acts, chunks, shape, out, w=w, d=d: probe(acts, chunks, shape, w, d, out, 1))
-                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
-    if "xpacked" in kernels:  # x repacked once per input (as the quantizer would write it): not timed
-        variants += [(f"x packed, warps {w:2d} depth {d}", False,
-                      lambda acts, chunks, shape, out, w=w, d=d: probe(
-                          acts, chunks, shape, w, d, out, 2, _packed(acts, chunks.shape[1])))
-                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
-    if "loads" in kernels:  # the x-packed probe's loads alone, no arithmetic: wrong results, timed only
-        variants += [(f"loads only (timing), warps {w:2d} depth {d}", False,
-                      lambda acts, chunks, shape, out, w=w, d=d: probe(
-                          acts, chunks, shape, w, d, out, 2, _packed(acts, chunks.shape[1]), compute=False))
-                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
+        variants += [Variant(f"x of group 0 only (timing), warps {w:2d} depth {d}", lambda a, c, sh, o, w=w, d=d: probe(
+            a, c, sh, w, d, o, 1), w, checked=False) for w, d in depths]
+    if "xpacked" in kernels:
+        variants += [Variant(f"x packed, warps {w:2d} depth {d}", lambda a, c, sh, o, w=w, d=d: probe(
+            a, c, sh, w, d, o, 2, _packed(a, c.shape[1])), w) for w, d in depths]
+    if "loads" in kernels:  # the x-packed probe's loads alone, no arithmetic
+        variants += [Variant(f"loads only (timing), warps {w:2d} depth {d}", lambda a, c, sh, o, w=w, d=d: probe(
+            a, c, sh, w, d, o, 2, _packed(a, c.shape[1]), compute=False), w, checked=False) for w, d in depths]
     if "xpacked-split" in kernels:  # K in `--split` parts a stripe, added in fp32 (the zeroing timed)
-        variants += [(f"x packed, K in {sp} parts, warps {w:2d} depth {d}", False,
-                      lambda acts, chunks, shape, out, w=w, d=d, sp=sp: probe(
-                          acts, chunks, shape, w, d, out, 2, _packed(acts, chunks.shape[1]), split=sp))
-                     for sp in _ints("--split", [2])
-                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
-    if "dp4a" in kernels:  # one token only
-        variants += [(f"one token, dp4a, warps {w:2d} depth {d}", False,
-                      lambda acts, chunks, shape, out, w=w, d=d: one_token(acts, chunks, shape, w, d, out))
-                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
+        variants += [Variant(f"x packed, K in {sp} parts, warps {w:2d} depth {d}",
+                             lambda a, c, sh, o, w=w, d=d, sp=sp: probe(a, c, sh, w, d, o, 2, _packed(a, c.shape[1]),
+                                                                        split=sp), w * sp)
+                     for sp in splits for w, d in depths]
+    if "dp4a" in kernels:
+        variants += [Variant(f"one token, dp4a, warps {w:2d} depth {d}", lambda a, c, sh, o, w=w, d=d: one_token(
+            a, c, sh, w, d, o), w, one_token=True) for w, d in depths]
     if "dp4a-split" in kernels:
-        variants += [(f"one token, dp4a, K in {sp} parts, warps {w:2d} depth {d}", False,
-                      lambda acts, chunks, shape, out, w=w, d=d, sp=sp: one_token(acts, chunks, shape, w, d, out, sp))
-                     for sp in _ints("--split", [2])
-                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
+        variants += [Variant(f"one token, dp4a, K in {sp} parts, warps {w:2d} depth {d}",
+                             lambda a, c, sh, o, w=w, d=d, sp=sp: one_token(a, c, sh, w, d, o, sp), w * sp,
+                             one_token=True) for sp in splits for w, d in depths]
     if "xpacked-l2" in kernels:  # and the chunks `--prefetch` turns further ahead prefetched into L2
-        variants += [(f"x packed, L2 prefetch {pf}, warps {w:2d} depth {d}", False,
-                      lambda acts, chunks, shape, out, w=w, d=d, pf=pf: probe(
-                          acts, chunks, shape, w, d, out, 2, _packed(acts, chunks.shape[1]), pf))
-                     for pf in _ints("--prefetch", [1, 2])
-                     for w, d in itertools.product(warp_counts, _ints("--depth", [1, 2]))]
+        variants += [Variant(f"x packed, L2 prefetch {pf}, warps {w:2d} depth {d}",
+                             lambda a, c, sh, o, w=w, d=d, pf=pf: probe(a, c, sh, w, d, o, 2, _packed(a, c.shape[1]),
+                                                                        pf), w)
+                     for pf in _ints("--prefetch", [1, 2]) for w, d in depths]
     if "pipe" in kernels:
-        variants += [(f"async copies, warps {w:2d} stages {st}", True,
-                      lambda acts, chunks, shape, out, w=w, st=st: pipelined(acts, chunks, shape, w, st, out))
+        variants += [Variant(f"async copies, warps {w:2d} stages {st}", lambda a, c, sh, o, w=w, st=st: pipelined(
+            a, c, sh, w, st, o), w, planar=True)
                      for w, st in itertools.product(warp_counts, _ints("--stages", [2, 3, 4]))]
     return variants
 
@@ -552,13 +560,13 @@ def main() -> None:
         acts = quantize_activations(x)
         expected = quant_linear_reference(x, data, shape, FORMAT, int8_activations=True)
         errors = []
-        for label, planar, call in variants:
-            if "(timing)" in label or ("one token" in label and tokens > 1):
+        for variant in variants:
+            if not variant.checked or (variant.one_token and tokens > 1):
                 continue
-            got = call(acts, chunks[planar], shape, None).float()
+            got = variant.call(acts, chunks[variant.planar], shape, None).float()
             errors.append(float((got - expected).norm() / expected.norm()))
             if not errors[-1] < 4e-3:  # bf16 output
-                print(f"check T={tokens} {label} FAILS: error {errors[-1]:.1e}, nan {int(got.isnan().sum())}")
+                print(f"check T={tokens} {variant.label} FAILS: error {errors[-1]:.1e}, nan {int(got.isnan().sum())}")
         print(f"check T={tokens}: worst relative error {max(errors):.1e} (bf16 out)", flush=True)
         assert max(errors) < 4e-3
     bandwidth = read_bandwidth()
@@ -570,7 +578,7 @@ def main() -> None:
         data = codec.encode(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
         read = codec.encoded_bytes(shape)
         copies = rotating_copies(data, 31)
-        repacked = {planar: [repack(c, shape, planar) for c in copies] for planar in {v[1] for v in variants}}
+        repacked = {planar: [repack(c, shape, planar) for c in copies] for planar in {v.planar for v in variants}}
         for tokens in token_counts:
             acts = quantize_activations(torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16))
             rotation = itertools.cycle(copies)
@@ -580,18 +588,15 @@ def main() -> None:
             print(f"{name:26s} T={tokens:2d}: batch route {us:6.1f} us ({read / (us / 1e6) / bandwidth:4.0%})",
                   flush=True)
             out = torch.empty((tokens, n), dtype=torch.bfloat16, device="cuda")
-            for label, planar, call in variants:
-                if "one token" in label and tokens > 1:
+            for variant in variants:
+                if (variant.one_token and tokens > 1) or (k // 64) % variant.stride:
                     continue
-                parts = int(label.split("K in ")[1].split()[0]) if "K in " in label else 1
-                if "warps" in label and (k // 64) % (int(label.split("warps")[1].split()[0]) * parts):
-                    continue
-                rotation = itertools.cycle(repacked[planar])
+                rotation = itertools.cycle(repacked[variant.planar])
                 us = triton.testing.do_bench_cudagraph(
-                    lambda acts=acts, rotation=rotation, shape=shape, out=out, call=call: call(
+                    lambda acts=acts, rotation=rotation, shape=shape, out=out, call=variant.call: call(
                         acts, next(rotation), shape, out), return_mode="median") * 1e3
-                print(f"{name:26s} T={tokens:2d}: {label}: {us:6.1f} us ({read / (us / 1e6) / bandwidth:4.0%})",
-                      flush=True)
+                print(f"{name:26s} T={tokens:2d}: {variant.label}: {us:6.1f} us "
+                      f"({read / (us / 1e6) / bandwidth:4.0%})", flush=True)
         del copies, repacked, data
 
 
