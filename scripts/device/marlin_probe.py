@@ -23,7 +23,8 @@ Usage (GPU): python3 scripts/device/marlin_probe.py [--tokens 1,8] [--warps 4,8,
 `--ncu N K TOKENS WARPS DEPTH` only runs one probe for `ncu` (`profile_target`). Without a GPU,
 `python3 scripts/device/marlin_probe.py --emulate` checks the repacking and the quad unpacking
 in torch against the integer oracle (the `mma` fragment mapping is the ninth session's, checked on the H200), and
-`TRITON_INTERPRET=1 python3 scripts/device/marlin_probe.py --interpret` runs the one-token `dp4a` kernel."""
+`TRITON_INTERPRET=1 python3 scripts/device/marlin_probe.py --interpret` runs the one-token `dp4a` kernel;
+`--static [--maxnreg R]` compiles the kernels for sm_90 and prints their loops (`static_report`)."""
 
 import itertools
 import os
@@ -633,8 +634,40 @@ def interpret_check() -> None:
         assert error < (1e-6 if split > 1 else 8e-3), error
 
 
+def static_report() -> None:
+    """`python3 scripts/device/marlin_probe.py --static [--maxnreg R]` (no GPU needed; put the GPU machine's Triton
+    first on PYTHONPATH to read what it runs): each kernel compiled for sm_90 through `scripts/compile_kernels.py`'s
+    readers, with its registers, its longest loop per opcode and that loop's waits on loads (how many instructions
+    after its issue each load is first waited for)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import compile_kernels
+
+    pointers = {"x_ptr": "*i32", "chunk_ptr": "*i32", "out_ptr": "*bf16"}
+    sizes = {"T": "i32", "N": "i32", "groups": "i32", "x_block_count": "i32"}
+    builds = [(_probe_kernel, {**pointers, **sizes},
+               {"WARPS": w, "DEPTH": d, "X_MODE": x, "PREFETCH": 0, "COMPUTE": True, "SPLIT": 1})
+              for x, (w, d) in itertools.product((0, 2), ((8, 2), (16, 1)))]
+    builds += [(_one_token_kernel, {**pointers, "N": "i32", "groups": "i32"}, {"WARPS": w, "DEPTH": d, "SPLIT": 1})
+               for w, d in ((8, 1), (8, 2))]
+    builds.append((_pipelined_kernel, {**pointers, **sizes}, {"WARPS": 8, "STAGES": 2}))
+    for kernel, signature, constants in builds:
+        options = {"num_warps": constants["WARPS"], **MAXNREG}
+        compiled = triton.compile(ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")},
+                                            constants, {}), target=GPUTarget("cuda", 90, 32), options=options)
+        lines = compile_kernels._disassemble(compiled.asm["cubin"])
+        print(f"{kernel.fn.__name__} {constants}{compile_kernels._resources(compiled.asm['cubin'])}"
+              f"{compile_kernels._longest_loop(lines, True)}")
+        for line in compile_kernels.scoreboard_waits(lines):
+            print("   ", line)
+
+
 if __name__ == "__main__":
-    if "--interpret" in sys.argv:
+    if "--static" in sys.argv:
+        static_report()
+    elif "--interpret" in sys.argv:
         interpret_check()
     elif "--ncu" in sys.argv:
         profile_target()
