@@ -34,7 +34,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ninfer.kernels import activation_quant, dense_linear, fp8_linear, fused, gdn_decode, paged_attention, quant_linear
+from ninfer.kernels import (
+    activation_quant,
+    dense_linear,
+    fp8_linear,
+    fused,
+    gdn_decode,
+    paged_attention,
+    quant_linear,
+    stripe_linear,
+)
 from ninfer.quant import codec_for
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.uint8: "u8",
@@ -89,7 +98,8 @@ def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict, di
 
 def _record_all() -> None:
     """Call every wrapper the fast path uses, in the variants it uses (formats, T, gather, KV dtypes)."""
-    for module in (activation_quant, dense_linear, quant_linear, fp8_linear, fused, gdn_decode, paged_attention):
+    for module in (activation_quant, dense_linear, quant_linear, fp8_linear, fused, gdn_decode, paged_attention,
+                   stripe_linear):
         for name in dir(module):
             if name.startswith("_") and name.endswith("_kernel"):
                 setattr(module, name, _Recorder(module, name))
@@ -112,6 +122,12 @@ def _record_all() -> None:
     ids = torch.randint(0, 4, (40,))
     quant_linear.quant_linear_grouped(x.repeat(20, 1), data, (256, 512), "q5_g64_fp16", quant_linear.group_pairs(
         ids, 4, 64), 40, 64, 2, 64)
+    shape = (32, 2048)  # a q5 matrix kept as stripe chunks: one token, a tile of 8, its prefill decoding
+    chunks = stripe_linear.repack(codec_for(stripe_linear.FORMAT).encode(torch.randn(shape)), shape)
+    for tokens in (1, 8):
+        stripe_linear.stripe_gemv(stripe_linear.quantize_tiles(torch.randn(tokens, shape[1], dtype=torch.bfloat16)),
+                                  chunks, shape)
+    stripe_linear.dequantize_stripes(chunks, shape)
     fp8 = codec_for(fp8_linear.FORMAT).encode(torch.randn(64, 512))
     fp8_linear.fp8_linear_gemv(x, fp8, (64, 512))
     fp8_linear.fp8_linear_gemv(x.repeat(4, 1), fp8, (64, 512))
@@ -124,6 +140,7 @@ def _record_all() -> None:
     fused.add_rms_norm(wide, wide, torch.randn(5120, dtype=torch.bfloat16), 1e-6, quantize=True)
     fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16))
     fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16), quantize=True)
+    fused.silu_mul(torch.randn(2, 512, dtype=torch.bfloat16), quantize=True, tiles=True)
     fused.sigmoid_mul(h, h)
     fused.sigmoid_mul(h, h, quantize=True)
     fused.route_top_k(torch.randn(2, 257, dtype=torch.bfloat16), 256, 8)

@@ -6,6 +6,9 @@ Routes (chosen by the format, the number of tokens T and what x is):
     for up to 8 tokens; a token's bits do not depend on T);
     an input read by several matrices is quantized once, and two of them on the batch route share one launch
     (`project`);
+  * q5 matrices with long rows (`stripes_fit`: the dense MLP's down projection) are repacked at load into stripe
+    chunks (`ninfer.kernels.stripe_linear`): their decode and verify steps take the stripe GEMV over x's tiles
+    (`TileActivations`, which `silu_mul` writes), where 8 tokens cost about what one token costs;
   * groupwise, x a tensor (prefill, any T): dequantize into a shared scratch buffer, then cuBLAS (the matmul
     dominates); stacked MoE experts go through the grouped kernel in one launch;
   * fp8 rows: the FP8 GEMV for T ≤ 16 (its cost grows with T: one token per program), rows decoded into the
@@ -33,6 +36,14 @@ from ninfer.kernels.quant_linear import (
     quant_linear_gemv_pair,
     quant_linear_grouped,
 )
+from ninfer.kernels.stripe_linear import (
+    TileActivations,
+    dequantize_stripes,
+    quantize_tiles,
+    repack,
+    stripe_gemv,
+    stripes_fit,
+)
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
 
@@ -46,11 +57,14 @@ def is_packed(fmt: str) -> bool:
     return is_groupwise(fmt) or fmt == FP8_FORMAT
 
 
-def shared_input(x: torch.Tensor | Int8Activations, readers: list[PackedLinear]) -> torch.Tensor | Int8Activations:
+Activations = torch.Tensor | Int8Activations | TileActivations
+
+
+def shared_input(x: Activations, readers: list[PackedLinear]) -> Activations:
     """x prepared once for the matrices `readers` that all multiply it: its int8 image when some of them will take
     the integer GEMV (T ≤ MAX_GEMV_TOKENS and groupwise), else x. An input that comes quantized
-    (`add_rms_norm(quantize=True)`) is passed on."""
-    if isinstance(x, Int8Activations):
+    (`add_rms_norm(quantize=True)`, `silu_mul(tiles=True)`) is passed on."""
+    if isinstance(x, Int8Activations | TileActivations):
         return x
     if x.shape[0] <= MAX_GEMV_TOKENS and any(reader.groupwise for reader in readers):
         return quantize_activations(x)
@@ -94,9 +108,9 @@ def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
     return results
 
 
-def _source(x: torch.Tensor | Int8Activations) -> torch.Tensor:
+def _source(x: Activations) -> torch.Tensor:
     """The activations themselves (for the routes that do not take int8 records)."""
-    return x.source if isinstance(x, Int8Activations) else x
+    return x.source if isinstance(x, Int8Activations | TileActivations) else x
 
 
 class Scratch:
@@ -128,10 +142,15 @@ class PackedLinear:
         self.scratch = scratch
         self.groupwise = is_groupwise(fmt)
         self.packed = is_packed(fmt)
+        # kept as stripe chunks (`data` then holds the chunks: the stripe GEMV and its dequantizer read it)
+        self.stripes = stripes_fit(self.shape, fmt, data.device)
         # whether the integer GEMV takes this matrix on its batch route (any number of tokens)
-        self.batch_route = self.groupwise and gemv_route(codec_for(fmt).groups_per_row(self.shape[1])
-                                                         * codec_for(fmt).group) == "batch"
-        if self.packed:
+        self.batch_route = self.groupwise and not self.stripes and gemv_route(
+            codec_for(fmt).groups_per_row(self.shape[1]) * codec_for(fmt).group) == "batch"
+        if self.stripes:
+            self.data = repack(data, self.shape)
+            self.weight = None
+        elif self.packed:
             self.data = data
             self.weight = None
         else:
@@ -143,7 +162,7 @@ class PackedLinear:
         tensor = self.data if self.packed else self.weight
         return tensor.numel() * tensor.element_size()
 
-    def __call__(self, x: torch.Tensor | Int8Activations, out_dtype: torch.dtype | None = None,
+    def __call__(self, x: Activations, out_dtype: torch.dtype | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """x `[T, K]` (or its `shared_input`) → `[T, N]` in `out_dtype` (default x's dtype). With `out` (a `[T, N]`
         view with unit column stride: columns of a buffer that several products fill) the result goes there —
@@ -151,6 +170,9 @@ class PackedLinear:
         source = _source(x)
         out_dtype = out.dtype if out is not None else out_dtype or source.dtype
         route = self.route(x)
+        if route == "stripes":
+            tiles = x if isinstance(x, TileActivations) else quantize_tiles(source)
+            return stripe_gemv(tiles, self.data, self.shape, out_dtype=out_dtype, out=out)
         if route == "integer":
             return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=out_dtype, out=out)
         if route == "dense":
@@ -164,14 +186,20 @@ class PackedLinear:
             result = F.linear(source.to(weight.dtype), weight).to(out_dtype)
         return result if out is None else out.copy_(result)
 
-    def route(self, x: torch.Tensor | Int8Activations) -> str:
-        """The kernel that takes x's product: "integer" (groupwise W, int8 records: the integer GEMV), "dense" (a
+    def route(self, x: Activations) -> str:
+        """The kernel that takes x's product: "stripes" (W kept as stripe chunks, x's int8 image: the stripe GEMV,
+        from x's tiles, made here from x if x came as records), "integer" (groupwise W, int8 records: the integer
+        GEMV), "dense" (a
         small plain W: a result per token whatever T, where cuBLAS picks its kernel by T — GDN a/b, routers),
         "cublas" (a large plain W, a bf16 artifact's projections, read once for all tokens), "fp8" (the FP8 GEMV, up
         to FP8_GEMV_TOKENS rows) or "scratch" (W decoded into the shared scratch buffer, then cuBLAS: no other
         product that does so may run beside it, `Branches`)."""
+        if isinstance(x, TileActivations):
+            if not self.stripes:
+                raise ValueError("x's tiles are for a matrix kept as stripe chunks")
+            return "stripes"
         if isinstance(x, Int8Activations) and self.groupwise:
-            return "integer"
+            return "stripes" if self.stripes else "integer"
         rows = _source(x).shape[0]
         if not self.packed:
             return "dense" if rows <= MAX_GEMV_TOKENS and self.weight.numel() <= DENSE_GEMV_MAX_ELEMENTS else "cublas"
@@ -185,7 +213,10 @@ class PackedLinear:
             return fp8_block(self.data, self.shape, first_row, rows, scratch)
         index = None
         if (first_row, rows) != (0, self.shape[0]):
+            self._whole_only("a block of rows")
             index = torch.arange(first_row, first_row + rows, device=self.data.device, dtype=torch.int32)
+        if self.stripes:
+            return dequantize_stripes(self.data, self.shape, self.scratch.dtype, out=scratch)
         return dequantize(self.data, self.shape, self.format, self.scratch.dtype, out=scratch, rows=index)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
@@ -194,11 +225,13 @@ class PackedLinear:
             return self.weight[index]
         if not self.groupwise:
             return fp8_rows(self.data, self.shape, index, self.scratch.dtype)
+        self._whole_only("rows by index")
         return dequantize(self.data, self.shape, self.format, self.scratch.dtype, rows=index)
 
     def gather(self, x: torch.Tensor | Int8Activations, experts: torch.Tensor, expert_rows: int,
                x_per_slot: int) -> torch.Tensor:
         """W stacks experts of `expert_rows` rows: row s of the result is x[s // x_per_slot] · W_{experts[s]}ᵀ."""
+        self._whole_only("gathered experts")
         if self.groupwise:
             return quant_linear_gemv(x, self.data, self.shape, self.format, out_dtype=_source(x).dtype,
                                      experts=experts, expert_rows=expert_rows, x_per_slot=x_per_slot)
@@ -214,6 +247,7 @@ class PackedLinear:
                 x_per_pair: int) -> torch.Tensor:
         """Packed stacked experts: row p of the result is x[p // x_per_pair] · W_{expert of pair p}ᵀ, the pairs
         tiled by `group_pairs` (MoE prefill, one launch)."""
+        self._whole_only("grouped experts")
         return quant_linear_grouped(x, self.data, self.shape, self.format, plan, pairs, expert_rows, x_per_pair,
                                     block=plan[1].numel() // plan[0].numel())
 
@@ -223,3 +257,8 @@ class PackedLinear:
             return F.linear(x, self.weight[first_row : first_row + rows])
         weight = self._decoded(first_row, rows)
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+    def _whole_only(self, what: str) -> None:
+        """Stripe chunks serve whole-matrix products and their decoding only."""
+        if self.stripes:
+            raise ValueError(f"a matrix kept as stripe chunks ({list(self.shape)}) has no route for {what}")

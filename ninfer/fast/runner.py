@@ -646,7 +646,8 @@ class FastQwen35:
             gate_up = self._linear(self.linears[prefix + "mlp/gate_up"], h, integer)
             self._prefetch([prefix + "mlp/down"])
             down = self.linears[prefix + "mlp/down"]
-            return self._linear(down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer)), integer)
+            return self._linear(down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer), down.stripes),
+                                integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]
         routed_down = self.linears[prefix + "moe/routed_down"]
         readers = [self.linears[prefix + "moe/router_shared_gate"], self.linears[prefix + "moe/shared_gate_up"]]

@@ -99,10 +99,11 @@ def dequantize_activations(acts: Int8Activations) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def store_records(x, record_ptr, blocks, block_count):
-        """Quantize x `[BLOCKS, 32]` fp32 (the lanes of blocks `blocks` of one row) and store their records at
-        `record_ptr` (the row's first record); blocks ≥ `block_count` are not stored. Shared by the quantizer and
-        the kernels that quantize their own output (`fused.add_rms_norm`)."""
+    def block_quads(x):
+        """x `[BLOCKS, 32]` fp32 (32-lane blocks) → the blocks' codes as the records hold them: even quads
+        `[BLOCKS, 4]` (unit u: lanes 8u + 0, 2, 4, 6 as the bytes of one word), odd quads (lanes 8u + 1, 3, 5, 7),
+        the scales `[BLOCKS]` fp32 and the code sums `[BLOCKS]` int32. Shared by every kernel that writes int8
+        activations, in any layout (`store_records`, `stripe_linear.store_tiles`): the same codes everywhere."""
         BLOCKS: tl.constexpr = x.shape[0]
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
         y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
@@ -113,9 +114,16 @@ if triton is not None:
         placed = units << (8 * (column // 2))  # byte i of the even / odd quad: lane 2i / 2i + 1 of the unit
         even = tl.sum(tl.where(column % 2 == 0, placed, 0), axis=2)  # [BLOCKS, 4]
         odd = tl.sum(tl.where(column % 2 == 1, placed, 0), axis=2)
+        return even, odd, scale, tl.sum(codes, axis=1)
+
+    @triton.jit
+    def store_records(x, record_ptr, blocks, block_count):
+        """Quantize x `[BLOCKS, 32]` fp32 (the lanes of blocks `blocks` of one row) and store their records at
+        `record_ptr` (the row's first record); blocks ≥ `block_count` are not stored. Shared by the quantizer and
+        the kernels that quantize their own output (`fused.add_rms_norm`)."""
+        even, odd, scale, sums = block_quads(x)
         word = tl.arange(0, 4)[None, :]
-        meta = tl.where(word == 0, scale.to(tl.int32, bitcast=True)[:, None],
-                        tl.where(word == 1, tl.sum(codes, axis=1)[:, None], 0))
+        meta = tl.where(word == 0, scale.to(tl.int32, bitcast=True)[:, None], tl.where(word == 1, sums[:, None], 0))
         record = record_ptr + blocks[:, None] * 12 + word
         ok = (blocks < block_count)[:, None]
         tl.store(record, even, mask=ok)

@@ -7,7 +7,8 @@ several: a decode step of a 64-layer model runs a few hundred of them, so launch
     records of `ninfer.kernels.activation_quant` (for the decode step's integer GEMVs: no separate launch).
   * `silu_mul(gate_up)`: silu(gate) · up of a `[B, 2I]` gate/up projection (gate first), in its dtype — the SwiGLU
     activation as `swiglu_mlp` computes it (silu rounded to the dtype, then the product rounded). With `quantize`,
-    also the int8 records of the result (as `add_rms_norm`'s).
+    also the int8 records of the result (as `add_rms_norm`'s), or with `tiles` the same codes in the tile layout of
+    `ninfer.kernels.stripe_linear` (the input of a down projection kept as stripe chunks).
   * `sigmoid_mul(x, gate)`: x · sigmoid(gate) in x's dtype (the attention output gate); with `quantize`, also the
     int8 records of the result.
   * `route_top_k(logits, experts, top_k)`: the MoE routing of `ninfer.kernels.moe.route_top_k` in one launch —
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes
 from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
+from ninfer.kernels.stripe_linear import TileActivations, empty_tiles
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -36,6 +38,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 if triton is not None:
     from ninfer.kernels.activation_quant import store_tile_records
+    from ninfer.kernels.stripe_linear import store_tile_x
 
 
 if triton is not None:
@@ -81,7 +84,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, records_ptr, width, stride_gu, record_count, QUANTIZE: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         TILES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -93,7 +96,10 @@ if triton is not None:
         y = (silu * up).to(gate.dtype)
         tl.store(out_ptr + row * width + cols, y, mask=ok)
         if QUANTIZE:  # this tile's whole 32-lane blocks (BLOCK is a multiple of 128): their int8 records
-            store_tile_records(y, records_ptr, row, record_count, BLOCK)
+            if TILES:  # in the stripe GEMV's tile layout
+                store_tile_x(y, records_ptr, row, record_count, BLOCK)
+            else:
+                store_tile_records(y, records_ptr, row, record_count, BLOCK)
 
     @triton.jit
     def output_gate(x, g):
@@ -196,18 +202,27 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
     return total, Int8Activations(out, records) if quantize else out
 
 
-def silu_mul(gate_up: Tensor, quantize: bool = False) -> Tensor | Int8Activations:
+def silu_mul(gate_up: Tensor, quantize: bool = False,
+             tiles: bool = False) -> Tensor | Int8Activations | TileActivations:
     """silu(gate_up[:, :I]) · gate_up[:, I:] → `[B, I]`; with `quantize`, as `Int8Activations` (its int8 records
-    made in the same pass, equal to `quantize_activations`'s)."""
+    made in the same pass, equal to `quantize_activations`'s), or with `tiles` as `TileActivations` (the same codes
+    in the stripe GEMV's layout, equal to `quantize_tiles`'s)."""
     _check("silu_mul", gate_up)
     rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
-    records = empty_records(rows, inter, out.device) if quantize else out
+    if quantize and tiles:
+        records = empty_tiles(rows, inter, out.device)
+        count = 2 * records.shape[1]
+    else:
+        records = empty_records(rows, inter, out.device) if quantize else out
+        count = records.shape[1] if quantize else 0
     _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](
-        gate_up, out, records, inter, gate_up.stride(0), records.shape[1] if quantize else 0, QUANTIZE=quantize,
+        gate_up, out, records, inter, gate_up.stride(0), count, QUANTIZE=quantize, TILES=tiles,
         BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **launch_options(gate_up.device))
-    return Int8Activations(out, records) if quantize else out
+    if not quantize:
+        return out
+    return TileActivations(out, records) if tiles else Int8Activations(out, records)
 
 
 def sigmoid_mul(x: Tensor, gate: Tensor, quantize: bool = False) -> Tensor | Int8Activations:

@@ -35,9 +35,9 @@ LINES = 256
 
 
 class L2Prefetch:
-    """The first rows of each plane of `matrices` (packed `(data, shape, fmt)`), `budget` bytes in all, spread
-    over them by size (the same fraction of each matrix's rows). `ranges` is the kernel's `[R, 2]` tensor;
-    `bytes` what it covers."""
+    """The first rows of each plane (`_row_planes`) of `matrices` (packed `(data, shape, fmt)`), `budget` bytes in
+    all, spread over them by size (the same fraction of each matrix's rows). `ranges` is the kernel's `[R, 2]`
+    tensor; `bytes` what it covers."""
 
     def __init__(self, matrices: list[tuple[torch.Tensor, tuple[int, int], str]], budget: int):
         if not matrices or budget <= 0:
@@ -48,15 +48,23 @@ class L2Prefetch:
         for data, shape, fmt in matrices:
             rows = max(1, round(shape[0] * fraction))
             start = data.data_ptr()
-            for plane in codec_for(fmt).planes(shape):
-                first = (start + plane.offset) // LINE_BYTES * LINE_BYTES
-                end = start + plane.offset + rows * plane.row_bytes
+            for offset, row_bytes in _row_planes(data, shape, fmt):
+                first = (start + offset) // LINE_BYTES * LINE_BYTES
+                end = start + offset + rows * row_bytes
                 ranges.append((first, -(-(end - first) // LINE_BYTES) * LINE_BYTES))
         device = matrices[0][0].device
         self.ranges = torch.tensor(ranges, dtype=torch.int64, device=device)
         self.bytes = sum(length for _, length in ranges)
         self.asm = (device.type == "cuda" and torch.version.hip is None
                     and os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def _row_planes(data: torch.Tensor, shape: tuple[int, int], fmt: str) -> list[tuple[int, int]]:
+    """(offset, bytes per row) of each plane of a packed matrix; a matrix kept as stripe chunks (3-D `data`,
+    `ninfer.kernels.stripe_linear`) is one plane, its rows in order 16 at a time."""
+    if data.dim() == 3:
+        return [(0, data.numel() * data.element_size() // shape[0])]
+    return [(plane.offset, plane.row_bytes) for plane in codec_for(fmt).planes(shape)]
 
 
 if triton is not None:

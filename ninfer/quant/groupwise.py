@@ -142,7 +142,7 @@ class GroupwiseCodec(Codec):
 
     # -- decoder -----------------------------------------------------------------------------------------
 
-    def _split(self, data: torch.Tensor, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    def codes_and_scales(self, data: torch.Tensor, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes [N, gpr, G] (int16) and fp16 scales [N, gpr] from the object's bytes."""
         n, k = shape
         gpr = self.groups_per_row(k)
@@ -170,13 +170,13 @@ class GroupwiseCodec(Codec):
 
     def decode(self, data: torch.Tensor, shape: Shape) -> torch.Tensor:
         n, k = shape
-        codes, scales = self._split(data, shape)
+        codes, scales = self.codes_and_scales(data, shape)
         w = scales.to(torch.float32).unsqueeze(-1) * codes.to(torch.float32)
         return w.reshape(n, -1)[:, :k]
 
     def validate(self, data: torch.Tensor, shape: Shape) -> None:
         n, k = shape
-        codes, scales = self._split(data, shape)
+        codes, scales = self.codes_and_scales(data, shape)
         s = scales.to(torch.float32)
         if not bool(torch.isfinite(s).all()) or bool(torch.signbit(s).any()):
             raise FormatError(f"{self.format}: a scale is negative, -0, Inf or NaN")

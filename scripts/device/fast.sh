@@ -19,7 +19,7 @@ for job in "$@"; do
     tests) files="tests/test_fast_runner_gpu.py tests/test_fast_runner.py tests/test_paged_attention_gpu.py
                   tests/test_paged_attention.py tests/test_gdn_decode_gpu.py tests/test_gdn_decode.py
                   tests/test_quant_linear_gpu.py tests/test_quant_linear.py tests/test_fp8_linear.py tests/test_fused.py
-                  tests/test_dense_linear.py
+                  tests/test_dense_linear.py tests/test_stripe_linear_gpu.py tests/test_stripe_linear.py
                   tests/test_model_gpu.py tests/test_engine_gpu.py" ;;
     tests=*) files="${job#tests=}"; files="${files//,/ }" ;;
     profile=*) python3 scripts/device/profile_step.py "${job#profile=}" 2>&1 | tee "$OUT/profile-${job#profile=}.log"
