@@ -27,12 +27,12 @@ Tokens past T in the last tile are not written (their products are computed and 
 Kernels (CUDA, sm_80 and newer: `mma.sync.m16n8k32` int8 and `dp4a` as inline PTX):
   * `_tile_kernel`: program (stripe, tile of 8 tokens); warp w of WARPS takes groups w, w + WARPS, … (its turns
     loaded DEPTH groups ahead into registers); per 32-lane block one `mma` gives the exact integer dots D of 16 rows
-    × 8 tokens, and acc_b += D · (weight scale · x scale) in fp32, one sum per block b of the group (0 or 1); the
-    warps' sums meet in one reduction across warps, then y = Σ acc_0 + Σ acc_1, in x's dtype;
+    × 8 tokens, and acc += D · (weight scale · x scale) in fp32, block 0 then block 1 of each group; the warps' sums
+    meet in one reduction across warps; out in x's dtype;
   * `_one_token_kernel` (T = 1): the same loads and the same float steps with `dp4a` — a lane's dots over its
-    unit, reduce-scattered across the row's four lanes (exact integers) so that each lane holds one (row, block) D —
-    so that a token's result has the same bits at any T (verify = decode, batched = alone, as on every route of the
-    fast path);
+    unit, reduce-scattered across the row's four lanes (exact integers, 4 shuffles a group) so that a lane holds
+    both blocks' D of one row — so that a token's result has the same bits at any T (verify = decode, batched =
+    alone, as on every route of the fast path);
   * `_dequantize_stripes_kernel`: the chunks back into W `[N, K]` in the activation dtype (prefill: then cuBLAS),
     rounded once from code · scale in fp32 as `GroupwiseCodec.decode`;
   * `_quantize_tiles_kernel` / `store_tiles`: x → its tiles (inside `silu_mul` for the MLP's down projection).
@@ -328,10 +328,9 @@ if triton is not None:
 
     @triton.jit
     def _tile_group(acc, weights, x, counts):
-        """acc += one group. acc holds, per block of the group, rows g, g + 8 × tokens 2t, 2t + 1 (8 tensors: the
-        blocks' sums meet only at the end, as in `_one_token_kernel`, whose lanes each keep one block); per block
-        an `mma`, then D · (w scale · x scale)."""
-        g0, g1, h0, h1, g0_, g1_, h0_, h1_ = acc  # row g / g + 8, token 2t / 2t + 1; block 0, then block 1 (_)
+        """acc (rows g, g + 8 × tokens 2t, 2t + 1) += one group: per block an `mma`, then D · (w scale · x scale),
+        block 0 then block 1."""
+        acc0, acc1, acc2, acc3 = acc
         w0, w1, w2, w3, high, scale = weights
         b0, b1, c0, c1, s0, s1, r0, r1 = x
         ws_g, ws_h = _weight_scales(scale, counts)
@@ -339,19 +338,19 @@ if triton is not None:
                               b0, b1)
         s0 = s0.to(tl.float32, bitcast=True)
         s1 = s1.to(tl.float32, bitcast=True)
-        g0 += _dot(d0) * (ws_g * s0)
-        g1 += _dot(d1) * (ws_g * s1)
-        h0 += _dot(d2) * (ws_h * s0)
-        h1 += _dot(d3) * (ws_h * s1)
+        acc0 += _dot(d0) * (ws_g * s0)
+        acc1 += _dot(d1) * (ws_g * s1)
+        acc2 += _dot(d2) * (ws_h * s0)
+        acc3 += _dot(d3) * (ws_h * s1)
         d0, d1, d2, d3 = _mma(_quads(w2, high, 4), _quads(w3, high, 6), _quads(w2, high, 5), _quads(w3, high, 7),
                               c0, c1)
         r0 = r0.to(tl.float32, bitcast=True)
         r1 = r1.to(tl.float32, bitcast=True)
-        g0_ += _dot(d0) * (ws_g * r0)
-        g1_ += _dot(d1) * (ws_g * r1)
-        h0_ += _dot(d2) * (ws_h * r0)
-        h1_ += _dot(d3) * (ws_h * r1)
-        return g0, g1, h0, h1, g0_, g1_, h0_, h1_
+        acc0 += _dot(d0) * (ws_g * r0)
+        acc1 += _dot(d1) * (ws_g * r1)
+        acc2 += _dot(d2) * (ws_h * r0)
+        acc3 += _dot(d3) * (ws_h * r1)
+        return acc0, acc1, acc2, acc3
 
     @triton.jit
     def _tile_x(x, lane, t, j):
@@ -384,7 +383,7 @@ if triton is not None:
         if DEPTH == 2:
             x1 = _tile_x(x, lane, t, j1)
         zero = tl.zeros([WARPS, 32], tl.float32)
-        acc = (zero, zero, zero, zero, zero, zero, zero, zero)
+        acc = (zero, zero, zero, zero)
         for turn in range(tl.cdiv(steps, DEPTH)):
             s = turn * DEPTH
             _, counts = _group_at(s, warp, steps, groups, WARPS)
@@ -398,42 +397,50 @@ if triton is not None:
                 j, _ = _group_at(s + DEPTH + 1, warp, steps, groups, WARPS)
                 weights1 = _load_weights(chunk, lane, g, j)
                 x1 = _tile_x(x, lane, t, j)
-        g0, g1, h0, h1, g0_, g1_, h0_, h1_ = acc
+        acc0, acc1, acc2, acc3 = acc
         row = stripe * 16 + tl.arange(0, 32) // 4
         token = tl.program_id(1) * 8 + 2 * (tl.arange(0, 32) % 4)
         out = out_ptr + token.to(tl.int64) * stride_out + row
         dtype = out_ptr.dtype.element_ty
-        tl.store(out, (tl.sum(g0, axis=0) + tl.sum(g0_, axis=0)).to(dtype), mask=token < T)
-        tl.store(out + stride_out, (tl.sum(g1, axis=0) + tl.sum(g1_, axis=0)).to(dtype), mask=token + 1 < T)
-        tl.store(out + 8, (tl.sum(h0, axis=0) + tl.sum(h0_, axis=0)).to(dtype), mask=token < T)
-        tl.store(out + stride_out + 8, (tl.sum(h1, axis=0) + tl.sum(h1_, axis=0)).to(dtype), mask=token + 1 < T)
+        tl.store(out, tl.sum(acc0, axis=0).to(dtype), mask=token < T)
+        tl.store(out + stride_out, tl.sum(acc1, axis=0).to(dtype), mask=token + 1 < T)
+        tl.store(out + 8, tl.sum(acc2, axis=0).to(dtype), mask=token < T)
+        tl.store(out + stride_out + 8, tl.sum(acc3, axis=0).to(dtype), mask=token + 1 < T)
 
     @triton.jit
     def _one_token_group(acc, weights, x, counts, t, WARPS: tl.constexpr):
-        """acc += one group for one token: a lane's dots over its unit (two `dp4a` for each of rows g, g + 8 ×
-        blocks 0, 1), reduce-scattered so that lane 4g + t holds the whole block's D for (row g + 8 · (t % 2), block
-        t // 2) (`_scatter_sum`), then D · (w scale · x scale): the float steps of `_tile_group`'s token column 0."""
+        """acc += one group for one token, the float steps of `_tile_group`'s token column 0: a lane's dots over its
+        unit (two `dp4a` for each of rows g, g + 8 × blocks 0, 1) reduce-scattered so that lane 4g + t holds the
+        whole block's D of (row g + 8 · (t % 2), block t // 2) (`_scatter_sum`), and the other block's D of that row
+        from lane t ^ 2; then D₀ · (w scale · x scale₀), then D₁ · (w scale · x scale₁)."""
         w0, w1, w2, w3, high, scale = weights
-        b0, b1, c0, c1, x_scale = x
+        b0, b1, c0, c1, s0, r0 = x
         d = _scatter_sum(_dp4a(_quads(w0, high, 1), b1, _dp4a(_quads(w0, high, 0), b0, 0)),
                          _dp4a(_quads(w1, high, 3), b1, _dp4a(_quads(w1, high, 2), b0, 0)),
                          _dp4a(_quads(w2, high, 5), c1, _dp4a(_quads(w2, high, 4), c0, 0)),
                          _dp4a(_quads(w3, high, 7), c1, _dp4a(_quads(w3, high, 6), c0, 0)), t, WARPS)
+        other = _lane_xor(d, 2, WARPS)
+        second = (t & 2) != 0
+        d0 = tl.where(second, other, d).to(tl.float32)
+        d1 = tl.where(second, d, other).to(tl.float32)
         ws = ((scale >> (16 * (t % 2))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
-        return acc + d.to(tl.float32) * (tl.where(counts, ws, 0.0) * x_scale.to(tl.float32, bitcast=True))
+        ws = tl.where(counts, ws, 0.0)
+        acc += d0 * (ws * s0.to(tl.float32, bitcast=True))
+        return acc + d1 * (ws * r0.to(tl.float32, bitcast=True))
 
     @triton.jit
     def _one_token_x(x, t, j):
         """Group j's x operands of token 0 for a lane of unit t: its quads (one 16-byte load, the same for the 8
-        rows), and the token's scale in block t // 2 (word 128 or 130)."""
+        rows), and the token's scales in blocks 0 and 1 (words 128 and 130, one 16-byte load)."""
         b0, b1, c0, c1 = _vector(x + j * 144 + t * 4)
-        return b0, b1, c0, c1, _word(x + j * 144 + 128 + 2 * (t // 2))
+        s0, _, r0, _ = _vector(x + j * 144 + 128 + 0 * t)
+        return b0, b1, c0, c1, s0, r0
 
     @triton.jit
     def _one_token_kernel(tiles_ptr, chunk_ptr, out_ptr, groups, WARPS: tl.constexpr, DEPTH: tl.constexpr,
                           PDL: tl.constexpr):
-        """Program = stripe, one token: see the module docstring. Lane 4g + t sums (row g + 8 · (t % 2), block
-        t // 2) of each group; after the sum across warps, a row's two blocks meet as in `_tile_kernel`."""
+        """Program = stripe, one token: see the module docstring. Lanes 4g + t and 4g + (t ^ 2) both sum row
+        g + 8 · (t % 2)."""
         lane = tl.arange(0, 32)[None, :]
         warp = tl.arange(0, WARPS)[:, None]
         g = lane // 4
@@ -464,14 +471,8 @@ if triton is not None:
                 j, _ = _group_at(s + DEPTH + 1, warp, steps, groups, WARPS)
                 weights1 = _load_weights(chunk, lane, g, j)
                 x1 = _one_token_x(tiles_ptr, t, j)
-        # lane 4g + t's total: t = 2 · block + (row g + 8)
-        row_g, row_h = tl.split(tl.reshape(tl.sum(acc, axis=0), [8, 2, 2]))  # [g, block] each
-        g_block0, g_block1 = tl.split(row_g)
-        h_block0, h_block1 = tl.split(row_h)
-        rows = stripe * 16 + tl.arange(0, 8)
-        dtype = out_ptr.dtype.element_ty
-        tl.store(out_ptr + rows, (g_block0 + g_block1).to(dtype))
-        tl.store(out_ptr + rows + 8, (h_block0 + h_block1).to(dtype))
+        row = stripe * 16 + tl.arange(0, 32) // 4 + 8 * (tl.arange(0, 32) % 2)  # lanes t, t ^ 2: the same row
+        tl.store(out_ptr + row, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=tl.arange(0, 32) % 4 < 2)
 
     @triton.jit
     def _dequantize_stripes_kernel(chunk_ptr, out_ptr, K, groups, stride_out, GROUPS: tl.constexpr, PDL: tl.constexpr):
@@ -526,7 +527,7 @@ def stripe_gemv(x: TileActivations, chunks: torch.Tensor, shape: tuple[int, int]
     """y = x · Wᵀ `[T, N]` for W's stripe chunks (`repack`) and x's tiles, in `out_dtype` (default x's dtype), into
     `out` when given (a `[T, N]` view with unit column stride). One token takes `_one_token_kernel`, more
     `_tile_kernel`: the same bits for a token either way. `warps` (part of the bits) and `depth` (groups loaded
-    ahead: 1 for one token, 2 for more, as measured; not part of the bits) are for measurements."""
+    ahead: 2 for one token, 1 for more, as measured on the H200; not part of the bits) are for measurements."""
     _check(chunks, shape)
     tokens, k = x.shape
     if k != shape[1]:
@@ -540,11 +541,11 @@ def stripe_gemv(x: TileActivations, chunks: torch.Tensor, shape: tuple[int, int]
     stripes, groups = chunks.shape[0], chunks.shape[1]
     options = launch_options(chunks.device)
     if tokens == 1:
-        _one_token_kernel[(stripes,)](x.tiles, chunks, out, groups, WARPS=warps, DEPTH=depth or 1,
+        _one_token_kernel[(stripes,)](x.tiles, chunks, out, groups, WARPS=warps, DEPTH=depth or 2,
                                       num_warps=warps, **options)
     else:
         _tile_kernel[(stripes, x.tiles.shape[0])](x.tiles, chunks, out, tokens, groups, out.stride(0), WARPS=warps,
-                                                  DEPTH=depth or 2, num_warps=warps, **options)
+                                                  DEPTH=depth or 1, num_warps=warps, **options)
     return out
 
 
