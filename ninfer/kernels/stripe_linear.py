@@ -67,7 +67,7 @@ CHUNK_WORDS = 168
 TILE_WORDS = 144
 # warps of a program: warp w sums groups w, w + WARPS, …, so WARPS is part of a result's bits and one value serves
 # every T; 16 measured best with the one-token kernel on the 27B's down projection (docs/performance.md)
-WARPS = 16
+WARPS = 8
 # rows at least this long take the layout: at K = 17,408 (the 27B's down projection) the one-token kernel keeps up
 # with the batch route and 8 tokens cost about one token's time; at K = 5,120 one token is about 1 µs slower
 MIN_K = 8192
@@ -475,28 +475,27 @@ if triton is not None:
         tl.store(out_ptr + row, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=tl.arange(0, 32) % 4 < 2)
 
     @triton.jit
-    def _dequantize_stripes_kernel(chunk_ptr, out_ptr, K, groups, stride_out, GROUPS: tl.constexpr, PDL: tl.constexpr):
-        """Program (stripe, GROUPS groups): W's 16 rows × GROUPS · 64 lanes, code · scale rounded once."""
+    def _dequantize_stripes_kernel(chunk_ptr, out_ptr, K, groups, stride_out, GROUPS: tl.constexpr,
+                                   PDL: tl.constexpr):
+        """Program (stripe, GROUPS groups): each base word of a chunk gives its unit's 8 lanes of one row (its fifth
+        bits and scale loaded beside it), code · scale rounded once, stored as 8 contiguous elements."""
         wait_for_inputs(PDL)
-        r = tl.arange(0, 16)[:, None, None]  # row of the stripe: 8 · half + g
-        j = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[None, :, None]
-        lane = tl.arange(0, 64)[None, None, :]
-        g = r % 8
-        half = r // 8
-        block = lane // 32
-        t = lane % 32 // 8
-        i = lane % 8
-        w = 2 * block + half
+        j = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None, None]
+        word = tl.arange(0, 128)[None, :, None]  # 4 · (4g + t) + w, w = 2 · block + half
+        i = tl.arange(0, 8)[None, None, :]  # lane of the unit
+        unit = word // 4  # 4g + t
+        w = word % 4
+        half = w % 2
         chunk = chunk_ptr + (tl.program_id(0).to(tl.int64) * groups + tl.minimum(j, groups - 1)) * 168
-        nibble = (tl.load(chunk + 4 * (4 * g + t) + w) >> (4 * i)) & 15
-        fifth = (tl.load(chunk + 128 + 4 * g + t) >> (8 * (i // 2) + 7 - (2 * w + i % 2))) & 1
-        scale = (tl.load(chunk + 160 + g) >> (16 * half)) & 0xFFFF
+        nibble = (tl.load(chunk + word) >> (4 * i)) & 15
+        fifth = (tl.load(chunk + 128 + unit) >> (8 * (i // 2) + 7 - (2 * w + i % 2))) & 1
+        scale = (tl.load(chunk + 160 + unit // 4) >> (16 * half)) & 0xFFFF
         scale = scale.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        column = j * 64 + lane
-        out = out_ptr + (tl.program_id(0) * 16 + r).to(tl.int64) * stride_out + column
+        row = tl.program_id(0) * 16 + 8 * half + unit // 4
+        column = j * 64 + 32 * (w // 2) + 8 * (unit % 4) + i
+        out = out_ptr + row.to(tl.int64) * stride_out + column
         tl.store(out, ((nibble - 16 * fifth).to(tl.float32) * scale).to(out_ptr.dtype.element_ty),
                  mask=(column < K) & (j < groups))
-
 
 def _check(chunks: torch.Tensor, shape: tuple[int, int]) -> None:
     if triton is None:
@@ -556,7 +555,7 @@ def dequantize_stripes(chunks: torch.Tensor, shape: tuple[int, int], dtype: torc
     _check(chunks, shape)
     n, k = shape
     w = torch.empty((n, k), dtype=dtype, device=chunks.device) if out is None else out[: n * k].view(n, k)
-    groups_per_program = 4
+    groups_per_program = 8
     _dequantize_stripes_kernel[(chunks.shape[0], triton.cdiv(chunks.shape[1], groups_per_program))](
         chunks, w, k, chunks.shape[1], w.stride(0), GROUPS=groups_per_program, num_warps=4,
         **launch_options(chunks.device))

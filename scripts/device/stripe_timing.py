@@ -1,9 +1,11 @@
 """The stripe GEMV (`ninfer.kernels.stripe_linear`) against the batch route of `quant_linear` on the 27B's q5
 matrices, each call on a rotating copy (L2 never holds the matrix), as CUDA graphs: first a check at T = 1..16 that
 every result matches the float64 oracle and that each token's row has the bits of that token alone, then the
-timings, as a fraction of the read bandwidth measured in the same run.
+timings, as a fraction of the read bandwidth measured in the same run, and the prefill's decoding of each matrix
+(the chunks against the natural layout's `dequantize`, bf16 into one scratch buffer).
 
 Usage (GPU): python3 scripts/device/stripe_timing.py [--tokens 1,8] [--warps 8,16] [--depth 1,2] [--only NAME-PART]
+       [--dequantize] (the decoding only)
 (`--warps` other than the product's WARPS changes a result's bits: timed, not the product.)"""
 
 import itertools
@@ -14,10 +16,11 @@ import triton
 from device_timing import read_bandwidth, rotating_copies
 
 from ninfer.kernels.activation_quant import quantize_activations
-from ninfer.kernels.quant_linear import quant_linear_gemv
+from ninfer.kernels.quant_linear import dequantize, quant_linear_gemv
 from ninfer.kernels.stripe_linear import (
     FORMAT,
     WARPS,
+    dequantize_stripes,
     quantize_tiles,
     repack,
     stripe_gemv,
@@ -52,13 +55,36 @@ def check() -> None:
     assert worst < 4e-3
 
 
+def dequantize_timing(bandwidth: float) -> None:
+    """Each matrix decoded to bf16 (read its bytes, write 2 bytes an element) from either layout."""
+    codec = codec_for(FORMAT)
+    for name, n, k in _matrices():
+        shape = (n, k)
+        data = codec.encode(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        chunks = repack(data, shape)
+        scratch = torch.empty(n * k, dtype=torch.bfloat16, device="cuda")
+        moved = codec.encoded_bytes(shape) + 2 * n * k
+        calls = (("natural dequantize", lambda d=data, sh=shape, o=scratch: dequantize(d, sh, FORMAT, out=o)),
+                 ("stripe chunks", lambda c=chunks, sh=shape, o=scratch: dequantize_stripes(c, sh, out=o)))
+        for label, call in calls:
+            us = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
+            print(f"{name:26s} decode to bf16, {label}: {us:7.1f} us ({moved / (us / 1e6) / bandwidth:4.0%} of the "
+                  f"read bandwidth, bytes read and written)", flush=True)
+
+
+def _matrices():
+    return [m for m in MATRICES if "--only" not in sys.argv or sys.argv[sys.argv.index("--only") + 1] in m[0]]
+
+
 def main() -> None:
+    if "--dequantize" in sys.argv:
+        dequantize_timing(read_bandwidth())
+        return
     check()
     bandwidth = read_bandwidth()
+    dequantize_timing(bandwidth)
     codec = codec_for(FORMAT)
-    for name, n, k in MATRICES:
-        if "--only" in sys.argv and sys.argv[sys.argv.index("--only") + 1] not in name:
-            continue
+    for name, n, k in _matrices():
         shape = (n, k)
         read = codec.encoded_bytes(shape)
         copies = rotating_copies(codec.encode(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02), 31)
