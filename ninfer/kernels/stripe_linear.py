@@ -66,7 +66,8 @@ TILE_TOKENS = 8  # tokens of an x tile (an `mma`'s B columns)
 CHUNK_WORDS = 168
 TILE_WORDS = 144
 # warps of a program: warp w sums groups w, w + WARPS, …, so WARPS is part of a result's bits and one value serves
-# every T; 16 measured best with the one-token kernel on the 27B's down projection (docs/performance.md)
+# every T; on the 27B's down projection 8 warps cost one token 18.1 µs and 8 tokens 24.3, 16 warps 18.4–19.9 and
+# 20.9 (the batch route: 17.9 and 36.6; docs/performance.md, fortieth session)
 WARPS = 8
 # rows at least this long take the layout: at K = 17,408 (the 27B's down projection) the one-token kernel keeps up
 # with the batch route and 8 tokens cost about one token's time; at K = 5,120 one token is about 1 µs slower
