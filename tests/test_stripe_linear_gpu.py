@@ -77,7 +77,9 @@ def test_silu_mul_tiles_on_cuda_are_the_quantizers():
 def test_packed_linear_keeps_the_down_projection_as_stripes_on_every_route():
     shape = SHAPES["27b mlp/down"]
     data = _matrix(shape)
-    linear = PackedLinear(data, shape, FORMAT, Scratch(torch.device("cuda"), torch.bfloat16))
+    scratch = Scratch(torch.device("cuda"), torch.bfloat16)
+    assert not PackedLinear(data, shape, FORMAT, scratch, whole=False).stripes  # stacked experts, tables
+    linear = PackedLinear(data, shape, FORMAT, scratch)
     assert linear.stripes and not linear.batch_route and linear.nbytes == data.numel()
     x = torch.randn(8, shape[1], device="cuda", dtype=torch.bfloat16)
     from_tiles = linear(quantize_tiles(x))

@@ -134,16 +134,17 @@ DENSE_GEMV_MAX_ELEMENTS = 1 << 22
 
 
 class PackedLinear:
-    """W `[N, K]` (`shape`) stored as `data` in `fmt` on the device."""
+    """W `[N, K]` (`shape`) stored as `data` in `fmt` on the device. `whole`: W is only ever multiplied or decoded
+    whole (not stacked experts nor a table of rows), so it may be kept as stripe chunks."""
 
-    def __init__(self, data: torch.Tensor, shape: tuple[int, int], fmt: str, scratch: Scratch):
+    def __init__(self, data: torch.Tensor, shape: tuple[int, int], fmt: str, scratch: Scratch, whole: bool = True):
         self.shape = (int(shape[0]), int(shape[1]))
         self.format = fmt
         self.scratch = scratch
         self.groupwise = is_groupwise(fmt)
         self.packed = is_packed(fmt)
         # kept as stripe chunks (`data` then holds the chunks: the stripe GEMV and its dequantizer read it)
-        self.stripes = stripes_fit(self.shape, fmt, data.device)
+        self.stripes = whole and stripes_fit(self.shape, fmt, data.device)
         # whether the integer GEMV takes this matrix on its batch route (any number of tokens)
         self.batch_route = self.groupwise and not self.stripes and gemv_route(
             codec_for(fmt).groups_per_row(self.shape[1]) * codec_for(fmt).group) == "batch"
@@ -189,11 +190,10 @@ class PackedLinear:
     def route(self, x: Activations) -> str:
         """The kernel that takes x's product: "stripes" (W kept as stripe chunks, x's int8 image: the stripe GEMV,
         from x's tiles, made here from x if x came as records), "integer" (groupwise W, int8 records: the integer
-        GEMV), "dense" (a
-        small plain W: a result per token whatever T, where cuBLAS picks its kernel by T — GDN a/b, routers),
-        "cublas" (a large plain W, a bf16 artifact's projections, read once for all tokens), "fp8" (the FP8 GEMV, up
-        to FP8_GEMV_TOKENS rows) or "scratch" (W decoded into the shared scratch buffer, then cuBLAS: no other
-        product that does so may run beside it, `Branches`)."""
+        GEMV), "dense" (a small plain W: a result per token whatever T, where cuBLAS picks its kernel by T — GDN a/b,
+        routers), "cublas" (a large plain W, a bf16 artifact's projections, read once for all tokens), "fp8" (the
+        FP8 GEMV, up to FP8_GEMV_TOKENS rows) or "scratch" (W decoded into the shared scratch buffer, then cuBLAS: no
+        other product that does so may run beside it, `Branches`)."""
         if isinstance(x, TileActivations):
             if not self.stripes:
                 raise ValueError("x's tiles are for a matrix kept as stripe chunks")

@@ -191,7 +191,8 @@ class FastQwen35:
         for obj in tqdm(objects, desc="loading weights", unit="object", disable=not progress):
             name = obj.id.removeprefix("text/")
             if len(obj.shape) == 2 and not name.endswith("gdn/convolution"):
-                linears[name] = PackedLinear(artifact.raw(obj.id).to(device), obj.shape, obj.format, scratch)
+                linears[name] = PackedLinear(artifact.raw(obj.id).to(device), obj.shape, obj.format, scratch,
+                                             whole=name != "token_embedding" and "/moe/routed_" not in name)
             else:
                 tensor = artifact.tensor(obj.id, device)
                 vectors[name] = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)

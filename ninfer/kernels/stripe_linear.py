@@ -93,8 +93,8 @@ def _groups(k: int) -> int:
 
 def repack(data: torch.Tensor, shape: tuple[int, int], rows_at_once: int = 1024) -> torch.Tensor:
     """q5 bytes of W `[N, K]` (N a multiple of 16) → its chunks `[N / 16, groups, 168]` int32 on data's device (the
-    module docstring), `rows_at_once` rows at a time (the temporaries of the 27B's down projection stay near
-    100 MB)."""
+    module docstring), the same size as the bytes. Temporaries: the matrix's int16 codes (2 bytes a weight: 178 MB
+    for the 27B's down projection) and about 150 MB for each `rows_at_once` rows of them at that width."""
     n = shape[0]
     if n % STRIPE_ROWS:
         raise ValueError(f"stripe chunks need a multiple of {STRIPE_ROWS} rows, got {n}")
@@ -107,7 +107,7 @@ def repack(data: torch.Tensor, shape: tuple[int, int], rows_at_once: int = 1024)
     high_shift = 8 * (lane // 2) + 7 - (2 * word + lane % 2)  # [w, i]
     for first in range(0, n, rows_at_once):
         stripes = slice(first // STRIPE_ROWS, (first + rows_at_once) // STRIPE_ROWS)
-        u = (codes[first : first + rows_at_once].to(torch.int32) & 31)
+        u = codes[first : first + rows_at_once].to(torch.int32) & 31
         s = u.shape[0] // STRIPE_ROWS
         # [stripe, half, g, group, block, t, i] → [stripe, group, g, t, block, half, i]
         u = u.view(s, 2, 8, groups, 2, 4, 8).permute(0, 3, 2, 5, 4, 1, 6)
