@@ -1,10 +1,12 @@
 """Probe for the batch-8 bar: an int8 tensor-core GEMV over q5 weights repacked at load so that a warp's `mma`
 operands for one 64-lane group of a 16-row stripe are one contiguous 672-byte chunk (Marlin's method: store the
-weights in the order the tensor cores consume them), against the dp4a batch route on the same matrices. Not a
-product route: q5 only, T ≤ 8 a launch (16 tokens as two launches), float steps in block order (not the batch
-route's bits). It answers whether a program of several warps, each walking its own groups of K with chunks loaded
-several groups ahead and the warps' sums met once in shared memory, runs the 27B down projection at 8 tokens in
-about twice its one-token time, where the ninth session's one-warp probe (split K into untimed partial sums) did not.
+weights in the order the tensor cores consume them), against the dp4a batch route on the same matrices. The
+product's route built from it is `ninfer.kernels.stripe_linear` (its own layout of x, timed by `stripe_timing.py`);
+this probe keeps the variants that were not taken. Not a product route: q5 only, T ≤ 8 a launch (16 tokens as two
+launches), float steps in block order (not the batch route's bits). It answers whether a program of several warps,
+each walking its own groups of K with chunks loaded several groups ahead and the warps' sums met once in shared
+memory, runs the 27B down projection at 8 tokens in about twice its one-token time, where the ninth session's
+one-warp probe (split K into untimed partial sums) did not.
 
 Chunk (stripe s of rows 16s..16s + 15, group j of lanes 64j..64j + 63), 168 int32 words:
   - words 0..127, lane 4g + t's 16-byte vector: the base-plane words (8 lanes of nibbles) of unit t (lanes 8t..8t + 7
