@@ -21,7 +21,7 @@ KERNELS = ["_gemv_kernel", "_gemv_batch_kernel", "_gemv_batch_pair_kernel", "_de
            "_add_rms_norm_kernel", "_silu_mul_kernel", "_sigmoid_mul_kernel", "_route_top_k_kernel",
            "_moe_combine_kernel", "_conv_kernel", "_gated_delta_decode_kernel", "_gated_norm_kernel",
            "_qk_norm_rope_kernel", "_write_kv_kernel", "_paged_decode_kernel", "_merge_splits_kernel",
-           "_quantize_kernel", "_dense_gemv_kernel", "_tile_kernel", "_one_token_kernel", "_dequantize_stripes_kernel",
+           "_quantize_kernel", "_dense_gemv_kernel", "_stripe_kernel", "_dequantize_stripes_kernel",
            "_quantize_tiles_kernel"]
 
 

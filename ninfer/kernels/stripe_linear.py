@@ -25,14 +25,14 @@ for bit, from `block_quads`) as TILE_WORDS (144) int32 per group j:
 Tokens past T in the last tile are not written (their products are computed and never stored).
 
 Kernels (CUDA, sm_80 and newer: `mma.sync.m16n8k32` int8 and `dp4a` as inline PTX):
-  * `_tile_kernel`: program (stripe, tile of 8 tokens); warp w of WARPS takes groups w, w + WARPS, … (its turns
-    loaded DEPTH groups ahead into registers); per 32-lane block one `mma` gives the exact integer dots D of 16 rows
-    × 8 tokens, and acc += D · (weight scale · x scale) in fp32, block 0 then block 1 of each group; the warps' sums
-    meet in one reduction across warps; out in x's dtype;
-  * `_one_token_kernel` (T = 1): the same loads and the same float steps with `dp4a` — a lane's dots over its
-    unit, reduce-scattered across the row's four lanes (exact integers, 4 shuffles a group) so that a lane holds
-    both blocks' D of one row — so that a token's result has the same bits at any T (verify = decode, batched =
-    alone, as on every route of the fast path);
+  * `_stripe_kernel`, for T ≥ 2: program (stripe, tile of 8 tokens); warp w of WARPS takes groups w, w + WARPS, …
+    (its turns loaded DEPTH groups ahead into registers); per 32-lane block one `mma` gives the exact integer dots D
+    of 16 rows × 8 tokens, and acc += D · (weight scale · x scale) in fp32, block 0 then block 1 of each group; the
+    warps' sums meet in one reduction across warps; out in x's dtype;
+  * `_stripe_kernel` with ONE_TOKEN (T = 1): the same loads and the same float steps with `dp4a` — a lane's dots
+    over its unit, reduce-scattered across the row's four lanes (exact integers, 4 shuffles a group) so that a lane
+    holds both blocks' D of one row — so that a token's result has the same bits at any T (verify = decode,
+    batched = alone, as on every route of the fast path);
   * `_dequantize_stripes_kernel`: the chunks back into W `[N, K]` in the activation dtype (prefill: then cuBLAS),
     rounded once from code · scale in fp32 as `GroupwiseCodec.decode`;
   * `_quantize_tiles_kernel` / `store_tiles`: x → its tiles (inside `silu_mul` for the MLP's down projection).
@@ -72,7 +72,6 @@ WARPS = 8
 # rows at least this long take the layout: at K = 17,408 (the 27B's down projection) the one-token kernel keeps up
 # with the batch route and 8 tokens cost about one token's time; at K = 5,120 one token is about 1 µs slower
 MIN_K = 8192
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def stripes_fit(shape: tuple[int, int], fmt: str, device: torch.device) -> bool:
@@ -193,7 +192,7 @@ def stripe_gemv_reference(x: TileActivations, chunks: torch.Tensor, shape: tuple
 
 
 if triton is not None:
-    ASM = tl.constexpr(not INTERPRETED)
+    ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
     @triton.jit
     def store_tiles(x, tiles_ptr, row, blocks, block_count):
@@ -328,30 +327,28 @@ if triton is not None:
         return d.to(tl.float32, bitcast=True) - 12582912.0
 
     @triton.jit
-    def _tile_group(acc, weights, x, counts):
-        """acc (rows g, g + 8 × tokens 2t, 2t + 1) += one group: per block an `mma`, then D · (w scale · x scale),
-        block 0 then block 1."""
+    def _tile_block(acc, w_g, w_h, high, x_even, x_odd, x_scales, ws_g, ws_h, B: tl.constexpr):
+        """acc (rows g, g + 8 × tokens 2t, 2t + 1) += block B of a group: one `mma` on the block's quads (w_g, w_h:
+        the base words of rows g, g + 8), then D · (w scale · x scale) (x_scales: tokens 2t, 2t + 1)."""
         acc0, acc1, acc2, acc3 = acc
-        w0, w1, w2, w3, high, scale = weights
-        b0, b1, c0, c1, s0, s1, r0, r1 = x
-        ws_g, ws_h = _weight_scales(scale, counts)
-        d0, d1, d2, d3 = _mma(_quads(w0, high, 0), _quads(w1, high, 2), _quads(w0, high, 1), _quads(w1, high, 3),
-                              b0, b1)
-        s0 = s0.to(tl.float32, bitcast=True)
-        s1 = s1.to(tl.float32, bitcast=True)
+        d0, d1, d2, d3 = _mma(_quads(w_g, high, 4 * B), _quads(w_h, high, 4 * B + 2), _quads(w_g, high, 4 * B + 1),
+                              _quads(w_h, high, 4 * B + 3), x_even, x_odd)
+        s0 = x_scales[0].to(tl.float32, bitcast=True)
+        s1 = x_scales[1].to(tl.float32, bitcast=True)
         acc0 += _dot(d0) * (ws_g * s0)
         acc1 += _dot(d1) * (ws_g * s1)
         acc2 += _dot(d2) * (ws_h * s0)
         acc3 += _dot(d3) * (ws_h * s1)
-        d0, d1, d2, d3 = _mma(_quads(w2, high, 4), _quads(w3, high, 6), _quads(w2, high, 5), _quads(w3, high, 7),
-                              c0, c1)
-        r0 = r0.to(tl.float32, bitcast=True)
-        r1 = r1.to(tl.float32, bitcast=True)
-        acc0 += _dot(d0) * (ws_g * r0)
-        acc1 += _dot(d1) * (ws_g * r1)
-        acc2 += _dot(d2) * (ws_h * r0)
-        acc3 += _dot(d3) * (ws_h * r1)
         return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _tile_group(acc, weights, x, counts):
+        """acc (rows g, g + 8 × tokens 2t, 2t + 1) += one group, block 0 then block 1."""
+        w0, w1, w2, w3, high, scale = weights
+        b0, b1, c0, c1, s0, s1, r0, r1 = x
+        ws_g, ws_h = _weight_scales(scale, counts)
+        acc = _tile_block(acc, w0, w1, high, b0, b1, (s0, s1), ws_g, ws_h, 0)
+        return _tile_block(acc, w2, w3, high, c0, c1, (r0, r1), ws_g, ws_h, 1)
 
     @triton.jit
     def _tile_x(x, lane, t, j):
@@ -362,10 +359,60 @@ if triton is not None:
         return b0, b1, c0, c1, s0, s1, r0, r1
 
     @triton.jit
-    def _tile_kernel(tiles_ptr, chunk_ptr, out_ptr, T, groups, stride_out, WARPS: tl.constexpr,
-                     DEPTH: tl.constexpr, PDL: tl.constexpr):
-        """Program (stripe, tile of 8 tokens): see the module docstring. The first DEPTH groups' weights are loaded
-        before the PDL wait."""
+    def _unit_dot(w, high, Q: tl.constexpr, x_even, x_odd):
+        """A lane's dot of one base word's 8 lanes (quads Q, Q + 1) with its unit's x quads: two `dp4a`."""
+        return _dp4a(_quads(w, high, Q + 1), x_odd, _dp4a(_quads(w, high, Q), x_even, 0))
+
+    @triton.jit
+    def _one_token_group(acc, weights, x, counts, t, WARPS: tl.constexpr):
+        """acc += one group for one token, the float steps of `_tile_group`'s token column 0: a lane's dots over its
+        unit (rows g, g + 8 × blocks 0, 1) reduce-scattered so that lane 4g + t holds the whole block's D of (row
+        g + 8 · (t % 2), block t // 2) (`_scatter_sum`), and the other block's D of that row from lane t ^ 2; then
+        D₀ · (w scale · x scale₀), then D₁ · (w scale · x scale₁)."""
+        w0, w1, w2, w3, high, scale = weights
+        b0, b1, c0, c1, s0, r0 = x
+        d = _scatter_sum(_unit_dot(w0, high, 0, b0, b1), _unit_dot(w1, high, 2, b0, b1),
+                         _unit_dot(w2, high, 4, c0, c1), _unit_dot(w3, high, 6, c0, c1), t, WARPS)
+        other = _lane_xor(d, 2, WARPS)
+        second = (t & 2) != 0
+        d0 = tl.where(second, other, d).to(tl.float32)
+        d1 = tl.where(second, d, other).to(tl.float32)
+        ws = ((scale >> (16 * (t % 2))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
+        ws = tl.where(counts, ws, 0.0)
+        acc += d0 * (ws * s0.to(tl.float32, bitcast=True))
+        return acc + d1 * (ws * r0.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _x_operands(x, lane, t, j, ONE_TOKEN: tl.constexpr):
+        """Group j's x operands for lane 4g + t. Tiles of 8: token g's quads (one 16-byte load) and the scales of
+        tokens 2t, 2t + 1 in blocks 0 and 1 (another). One token: token 0's quads of unit t (the same load for the
+        8 rows), and its scales in blocks 0 and 1 (words 128 and 130)."""
+        if ONE_TOKEN:
+            b0, b1, c0, c1 = _vector(x + j * 144 + t * 4)
+            s0, _, r0, _ = _vector(x + j * 144 + 128 + 0 * t)
+            operands = (b0, b1, c0, c1, s0, r0)
+        else:
+            b0, b1, c0, c1 = _vector(x + j * 144 + lane * 4)
+            s0, s1, r0, r1 = _vector(x + j * 144 + 128 + t * 4)
+            operands = (b0, b1, c0, c1, s0, s1, r0, r1)
+        return operands
+
+    @triton.jit
+    def _group(acc, weights, x, counts, t, WARPS: tl.constexpr, ONE_TOKEN: tl.constexpr):
+        """acc += one group: `_one_token_group` into acc's first sum, or `_tile_group`."""
+        if ONE_TOKEN:
+            acc0, acc1, acc2, acc3 = acc
+            acc = (_one_token_group(acc0, weights, x, counts, t, WARPS), acc1, acc2, acc3)
+        else:
+            acc = _tile_group(acc, weights, x, counts)
+        return acc
+
+    @triton.jit
+    def _stripe_kernel(tiles_ptr, chunk_ptr, out_ptr, T, groups, stride_out, WARPS: tl.constexpr,
+                       DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr):
+        """Program (stripe, tile of 8 tokens), or with ONE_TOKEN (stripe) for T = 1: see the module docstring. The
+        first DEPTH groups' weights are loaded before the PDL wait. With ONE_TOKEN, lanes 4g + t and 4g + (t ^ 2)
+        both sum row g + 8 · (t % 2)."""
         lane = tl.arange(0, 32)[None, :]
         warp = tl.arange(0, WARPS)[:, None]
         g = lane // 4
@@ -380,100 +427,37 @@ if triton is not None:
             j1, _ = _group_at(1, warp, steps, groups, WARPS)
             weights1 = _load_weights(chunk, lane, g, j1)
         wait_for_inputs(PDL)
-        x0 = _tile_x(x, lane, t, j0)
+        x0 = _x_operands(x, lane, t, j0, ONE_TOKEN)
         if DEPTH == 2:
-            x1 = _tile_x(x, lane, t, j1)
+            x1 = _x_operands(x, lane, t, j1, ONE_TOKEN)
         zero = tl.zeros([WARPS, 32], tl.float32)
         acc = (zero, zero, zero, zero)
         for turn in range(tl.cdiv(steps, DEPTH)):
             s = turn * DEPTH
             _, counts = _group_at(s, warp, steps, groups, WARPS)
-            acc = _tile_group(acc, weights0, x0, counts)
+            acc = _group(acc, weights0, x0, counts, t, WARPS, ONE_TOKEN)
             j, _ = _group_at(s + DEPTH, warp, steps, groups, WARPS)
             weights0 = _load_weights(chunk, lane, g, j)
-            x0 = _tile_x(x, lane, t, j)
+            x0 = _x_operands(x, lane, t, j, ONE_TOKEN)
             if DEPTH == 2:
                 _, counts = _group_at(s + 1, warp, steps, groups, WARPS)
-                acc = _tile_group(acc, weights1, x1, counts)
+                acc = _group(acc, weights1, x1, counts, t, WARPS, ONE_TOKEN)
                 j, _ = _group_at(s + DEPTH + 1, warp, steps, groups, WARPS)
                 weights1 = _load_weights(chunk, lane, g, j)
-                x1 = _tile_x(x, lane, t, j)
+                x1 = _x_operands(x, lane, t, j, ONE_TOKEN)
         acc0, acc1, acc2, acc3 = acc
-        row = stripe * 16 + tl.arange(0, 32) // 4
-        token = tl.program_id(1) * 8 + 2 * (tl.arange(0, 32) % 4)
-        out = out_ptr + token.to(tl.int64) * stride_out + row
         dtype = out_ptr.dtype.element_ty
-        tl.store(out, tl.sum(acc0, axis=0).to(dtype), mask=token < T)
-        tl.store(out + stride_out, tl.sum(acc1, axis=0).to(dtype), mask=token + 1 < T)
-        tl.store(out + 8, tl.sum(acc2, axis=0).to(dtype), mask=token < T)
-        tl.store(out + stride_out + 8, tl.sum(acc3, axis=0).to(dtype), mask=token + 1 < T)
-
-    @triton.jit
-    def _one_token_group(acc, weights, x, counts, t, WARPS: tl.constexpr):
-        """acc += one group for one token, the float steps of `_tile_group`'s token column 0: a lane's dots over its
-        unit (two `dp4a` for each of rows g, g + 8 × blocks 0, 1) reduce-scattered so that lane 4g + t holds the
-        whole block's D of (row g + 8 · (t % 2), block t // 2) (`_scatter_sum`), and the other block's D of that row
-        from lane t ^ 2; then D₀ · (w scale · x scale₀), then D₁ · (w scale · x scale₁)."""
-        w0, w1, w2, w3, high, scale = weights
-        b0, b1, c0, c1, s0, r0 = x
-        d = _scatter_sum(_dp4a(_quads(w0, high, 1), b1, _dp4a(_quads(w0, high, 0), b0, 0)),
-                         _dp4a(_quads(w1, high, 3), b1, _dp4a(_quads(w1, high, 2), b0, 0)),
-                         _dp4a(_quads(w2, high, 5), c1, _dp4a(_quads(w2, high, 4), c0, 0)),
-                         _dp4a(_quads(w3, high, 7), c1, _dp4a(_quads(w3, high, 6), c0, 0)), t, WARPS)
-        other = _lane_xor(d, 2, WARPS)
-        second = (t & 2) != 0
-        d0 = tl.where(second, other, d).to(tl.float32)
-        d1 = tl.where(second, d, other).to(tl.float32)
-        ws = ((scale >> (16 * (t % 2))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
-        ws = tl.where(counts, ws, 0.0)
-        acc += d0 * (ws * s0.to(tl.float32, bitcast=True))
-        return acc + d1 * (ws * r0.to(tl.float32, bitcast=True))
-
-    @triton.jit
-    def _one_token_x(x, t, j):
-        """Group j's x operands of token 0 for a lane of unit t: its quads (one 16-byte load, the same for the 8
-        rows), and the token's scales in blocks 0 and 1 (words 128 and 130, one 16-byte load)."""
-        b0, b1, c0, c1 = _vector(x + j * 144 + t * 4)
-        s0, _, r0, _ = _vector(x + j * 144 + 128 + 0 * t)
-        return b0, b1, c0, c1, s0, r0
-
-    @triton.jit
-    def _one_token_kernel(tiles_ptr, chunk_ptr, out_ptr, groups, WARPS: tl.constexpr, DEPTH: tl.constexpr,
-                          PDL: tl.constexpr):
-        """Program = stripe, one token: see the module docstring. Lanes 4g + t and 4g + (t ^ 2) both sum row
-        g + 8 · (t % 2)."""
-        lane = tl.arange(0, 32)[None, :]
-        warp = tl.arange(0, WARPS)[:, None]
-        g = lane // 4
-        t = lane % 4
-        stripe = tl.program_id(0).to(tl.int64)
-        chunk = chunk_ptr + stripe * groups * 168
-        steps = tl.cdiv(groups, WARPS)
-        j0, _ = _group_at(0, warp, steps, groups, WARPS)
-        weights0 = _load_weights(chunk, lane, g, j0)
-        if DEPTH == 2:
-            j1, _ = _group_at(1, warp, steps, groups, WARPS)
-            weights1 = _load_weights(chunk, lane, g, j1)
-        wait_for_inputs(PDL)
-        x0 = _one_token_x(tiles_ptr, t, j0)
-        if DEPTH == 2:
-            x1 = _one_token_x(tiles_ptr, t, j1)
-        acc = tl.zeros([WARPS, 32], tl.float32)
-        for turn in range(tl.cdiv(steps, DEPTH)):
-            s = turn * DEPTH
-            _, counts = _group_at(s, warp, steps, groups, WARPS)
-            acc = _one_token_group(acc, weights0, x0, counts, t, WARPS)
-            j, _ = _group_at(s + DEPTH, warp, steps, groups, WARPS)
-            weights0 = _load_weights(chunk, lane, g, j)
-            x0 = _one_token_x(tiles_ptr, t, j)
-            if DEPTH == 2:
-                _, counts = _group_at(s + 1, warp, steps, groups, WARPS)
-                acc = _one_token_group(acc, weights1, x1, counts, t, WARPS)
-                j, _ = _group_at(s + DEPTH + 1, warp, steps, groups, WARPS)
-                weights1 = _load_weights(chunk, lane, g, j)
-                x1 = _one_token_x(tiles_ptr, t, j)
-        row = stripe * 16 + tl.arange(0, 32) // 4 + 8 * (tl.arange(0, 32) % 2)  # lanes t, t ^ 2: the same row
-        tl.store(out_ptr + row, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=tl.arange(0, 32) % 4 < 2)
+        if ONE_TOKEN:
+            row = stripe * 16 + tl.arange(0, 32) // 4 + 8 * (tl.arange(0, 32) % 2)  # lanes t, t ^ 2: the same row
+            tl.store(out_ptr + row, tl.sum(acc0, axis=0).to(dtype), mask=tl.arange(0, 32) % 4 < 2)
+        else:
+            row = stripe * 16 + tl.arange(0, 32) // 4
+            token = tl.program_id(1) * 8 + 2 * (tl.arange(0, 32) % 4)
+            out = out_ptr + token.to(tl.int64) * stride_out + row
+            tl.store(out, tl.sum(acc0, axis=0).to(dtype), mask=token < T)
+            tl.store(out + stride_out, tl.sum(acc1, axis=0).to(dtype), mask=token + 1 < T)
+            tl.store(out + 8, tl.sum(acc2, axis=0).to(dtype), mask=token < T)
+            tl.store(out + stride_out + 8, tl.sum(acc3, axis=0).to(dtype), mask=token + 1 < T)
 
     @triton.jit
     def _dequantize_stripes_kernel(chunk_ptr, out_ptr, K, groups, stride_out, GROUPS: tl.constexpr,
@@ -525,8 +509,8 @@ def quantize_tiles(x: torch.Tensor) -> TileActivations:
 def stripe_gemv(x: TileActivations, chunks: torch.Tensor, shape: tuple[int, int], out_dtype: torch.dtype | None = None,
                 out: torch.Tensor | None = None, warps: int = WARPS, depth: int | None = None) -> torch.Tensor:
     """y = x · Wᵀ `[T, N]` for W's stripe chunks (`repack`) and x's tiles, in `out_dtype` (default x's dtype), into
-    `out` when given (a `[T, N]` view with unit column stride). One token takes `_one_token_kernel`, more
-    `_tile_kernel`: the same bits for a token either way. `warps` (part of the bits) and `depth` (groups loaded
+    `out` when given (a `[T, N]` view with unit column stride). One token takes `_stripe_kernel`'s `dp4a` variant,
+    more its `mma` tiles: the same bits for a token either way. `warps` (part of the bits) and `depth` (groups loaded
     ahead: 2 for one token, 1 for more, as measured on the H200; not part of the bits) are for measurements."""
     _check(chunks, shape)
     tokens, k = x.shape
@@ -539,13 +523,10 @@ def stripe_gemv(x: TileActivations, chunks: torch.Tensor, shape: tuple[int, int]
     if tokens == 0:
         return out
     stripes, groups = chunks.shape[0], chunks.shape[1]
-    options = launch_options(chunks.device)
-    if tokens == 1:
-        _one_token_kernel[(stripes,)](x.tiles, chunks, out, groups, WARPS=warps, DEPTH=depth or 2,
-                                      num_warps=warps, **options)
-    else:
-        _tile_kernel[(stripes, x.tiles.shape[0])](x.tiles, chunks, out, tokens, groups, out.stride(0), WARPS=warps,
-                                                  DEPTH=depth or 1, num_warps=warps, **options)
+    one_token = tokens == 1
+    _stripe_kernel[(stripes, x.tiles.shape[0])](x.tiles, chunks, out, tokens, groups, out.stride(0), WARPS=warps,
+                                                DEPTH=depth or (2 if one_token else 1), ONE_TOKEN=one_token,
+                                                num_warps=warps, **launch_options(chunks.device))
     return out
 
 

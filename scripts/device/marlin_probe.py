@@ -122,38 +122,11 @@ from device_timing import read_bandwidth, rotating_copies  # noqa: E402
 
 from ninfer.kernels.activation_quant import quantize_activations  # noqa: E402
 from ninfer.kernels.quant_linear import quant_linear_gemv  # noqa: E402
+from ninfer.kernels.stripe_linear import _dp4a, _mma, _quads, _weight_scales, _word  # noqa: E402  (the product's)
 
 # inline PTX on the GPU; plain loads and integer ops under the interpreter (`--interpret`: the one-token kernel only,
 # since an `mma` fragment spans lanes)
 ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
-
-
-@triton.jit
-def _mma(a0, a1, a2, a3, b0, b1):
-    """One int8 `mma.sync.m16n8k32` (one element a lane), C started at 0x4B400000 (the bits of 1.5 · 2^23): lane
-    4g + t gives A rows g, g + 8 (a0, a1: k 4t..4t + 3; a2, a3: k 16 + 4t..) and B column g (b0, b1 the same k); the
-    results are the float bits of 1.5 · 2^23 + dot at (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 m; mov.b32 m, 0x4B400000; mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, "
-        "{$4, $5, $6, $7}, {$8, $9}, {m, m, m, m}; }",
-        "=r,=r,=r,=r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
-
-
-@triton.jit
-def _quads(w, high, Q: tl.constexpr):
-    """Even (Q even) or odd lanes of a base word as code · 8 int8 quads, their fifth bits from `high`."""
-    nibbles = ((w << 3) if Q % 2 == 0 else (w >> 1)) & 0x78787878
-    return nibbles | ((high << Q) & -0x7F7F7F80)  # 0x80808080
-
-
-@triton.jit
-def _weight_scales(scale, valid):
-    """The fp16 scales of rows g (low half) and g + 8 of a chunk's scale word, times the quads' 1/8; 0 where not
-    `valid`."""
-    ws_g = (scale & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
-    ws_h = (scale >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 0.125
-    return tl.where(valid, ws_g, 0.0), tl.where(valid, ws_h, 0.0)
 
 
 @triton.jit
@@ -168,16 +141,6 @@ def _block(acc0, acc1, acc2, acc3, wg, wh, high, b0, b1, s0, s1, ws_g, ws_h, B: 
     acc2 += (d2.to(tl.float32, bitcast=True) - 12582912.0) * (ws_h * s0)
     acc3 += (d3.to(tl.float32, bitcast=True) - 12582912.0) * (ws_h * s1)
     return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def _word(at):
-    """One 32-bit load a lane, in place (inline PTX: `tl.load` of contiguous lanes is vectorized in a layout that
-    costs shared-memory conversions in the loop)."""
-    if ASM:
-        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [at], dtype=tl.int32, is_pure=False,
-                                         pack=1)
-    return tl.load(at)
 
 
 @triton.jit
@@ -408,16 +371,6 @@ def probe(acts, chunks, shape, warps, depth, out=None, x_mode=0, packed=None, pr
 
 def _ints(flag, default):
     return [int(v) for v in sys.argv[sys.argv.index(flag) + 1].split(",")] if flag in sys.argv else default
-
-
-@triton.jit
-def _dp4a(a, b, c):
-    """c + Σ_i int8 byte_i(a) · int8 byte_i(b), one `dp4a` a lane."""
-    if ASM:
-        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-    return (c + ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
-            + ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24))
 
 
 @triton.jit
