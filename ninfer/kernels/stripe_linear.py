@@ -72,6 +72,11 @@ WARPS = 8
 # rows at least this long take the layout: at K = 17,408 (the 27B's down projection) the one-token kernel keeps up
 # with the batch route and 8 tokens cost about one token's time; at K = 5,120 one token is about 1 µs slower
 MIN_K = 8192
+# groups a warp loads ahead (1-4; not part of the bits), for one token and for tiles: on the 27B's down projection
+# one token 21.7 / 18.1 / 21.0 / 20.8 µs at depths 1-4, 8 tokens 24.5 / 26.4 / 21.1 / 21.2 (docs/performance.md,
+# forty-first session)
+ONE_TOKEN_DEPTH = 2
+TILE_DEPTH = 3
 
 
 def stripes_fit(shape: tuple[int, int], fmt: str, device: torch.device) -> bool:
@@ -408,10 +413,19 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _step(acc, weights, x_ops, s, chunk, x, lane, g, t, warp, steps, groups, WARPS: tl.constexpr,
+              DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr):
+        """acc += the group of step s (its operands loaded DEPTH steps ago); then the operands of step s + DEPTH."""
+        _, counts = _group_at(s, warp, steps, groups, WARPS)
+        acc = _group(acc, weights, x_ops, counts, t, WARPS, ONE_TOKEN)
+        j, _ = _group_at(s + DEPTH, warp, steps, groups, WARPS)
+        return acc, _load_weights(chunk, lane, g, j), _x_operands(x, lane, t, j, ONE_TOKEN)
+
+    @triton.jit
     def _stripe_kernel(tiles_ptr, chunk_ptr, out_ptr, T, groups, stride_out, WARPS: tl.constexpr,
                        DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr):
         """Program (stripe, tile of 8 tokens), or with ONE_TOKEN (stripe) for T = 1: see the module docstring. The
-        first DEPTH groups' weights are loaded before the PDL wait. With ONE_TOKEN, lanes 4g + t and 4g + (t ^ 2)
+        first DEPTH (1-4) groups' weights are loaded before the PDL wait. With ONE_TOKEN, lanes 4g + t and 4g + (t ^ 2)
         both sum row g + 8 · (t % 2)."""
         lane = tl.arange(0, 32)[None, :]
         warp = tl.arange(0, WARPS)[:, None]
@@ -423,28 +437,38 @@ if triton is not None:
         steps = tl.cdiv(groups, WARPS)
         j0, _ = _group_at(0, warp, steps, groups, WARPS)
         weights0 = _load_weights(chunk, lane, g, j0)
-        if DEPTH == 2:
+        if DEPTH >= 2:
             j1, _ = _group_at(1, warp, steps, groups, WARPS)
             weights1 = _load_weights(chunk, lane, g, j1)
+        if DEPTH >= 3:
+            j2, _ = _group_at(2, warp, steps, groups, WARPS)
+            weights2 = _load_weights(chunk, lane, g, j2)
+        if DEPTH >= 4:
+            j3, _ = _group_at(3, warp, steps, groups, WARPS)
+            weights3 = _load_weights(chunk, lane, g, j3)
         wait_for_inputs(PDL)
         x0 = _x_operands(x, lane, t, j0, ONE_TOKEN)
-        if DEPTH == 2:
+        if DEPTH >= 2:
             x1 = _x_operands(x, lane, t, j1, ONE_TOKEN)
+        if DEPTH >= 3:
+            x2 = _x_operands(x, lane, t, j2, ONE_TOKEN)
+        if DEPTH >= 4:
+            x3 = _x_operands(x, lane, t, j3, ONE_TOKEN)
         zero = tl.zeros([WARPS, 32], tl.float32)
         acc = (zero, zero, zero, zero)
         for turn in range(tl.cdiv(steps, DEPTH)):
             s = turn * DEPTH
-            _, counts = _group_at(s, warp, steps, groups, WARPS)
-            acc = _group(acc, weights0, x0, counts, t, WARPS, ONE_TOKEN)
-            j, _ = _group_at(s + DEPTH, warp, steps, groups, WARPS)
-            weights0 = _load_weights(chunk, lane, g, j)
-            x0 = _x_operands(x, lane, t, j, ONE_TOKEN)
-            if DEPTH == 2:
-                _, counts = _group_at(s + 1, warp, steps, groups, WARPS)
-                acc = _group(acc, weights1, x1, counts, t, WARPS, ONE_TOKEN)
-                j, _ = _group_at(s + DEPTH + 1, warp, steps, groups, WARPS)
-                weights1 = _load_weights(chunk, lane, g, j)
-                x1 = _x_operands(x, lane, t, j, ONE_TOKEN)
+            acc, weights0, x0 = _step(acc, weights0, x0, s, chunk, x, lane, g, t, warp, steps, groups, WARPS, DEPTH,
+                                      ONE_TOKEN)
+            if DEPTH >= 2:
+                acc, weights1, x1 = _step(acc, weights1, x1, s + 1, chunk, x, lane, g, t, warp, steps, groups, WARPS,
+                                          DEPTH, ONE_TOKEN)
+            if DEPTH >= 3:
+                acc, weights2, x2 = _step(acc, weights2, x2, s + 2, chunk, x, lane, g, t, warp, steps, groups, WARPS,
+                                          DEPTH, ONE_TOKEN)
+            if DEPTH >= 4:
+                acc, weights3, x3 = _step(acc, weights3, x3, s + 3, chunk, x, lane, g, t, warp, steps, groups, WARPS,
+                                          DEPTH, ONE_TOKEN)
         acc0, acc1, acc2, acc3 = acc
         dtype = out_ptr.dtype.element_ty
         if ONE_TOKEN:
@@ -511,7 +535,7 @@ def stripe_gemv(x: TileActivations, chunks: torch.Tensor, shape: tuple[int, int]
     """y = x · Wᵀ `[T, N]` for W's stripe chunks (`repack`) and x's tiles, in `out_dtype` (default x's dtype), into
     `out` when given (a `[T, N]` view with unit column stride). One token takes `_stripe_kernel`'s `dp4a` variant,
     more its `mma` tiles: the same bits for a token either way. `warps` (part of the bits) and `depth` (groups loaded
-    ahead: 2 for one token, 1 for more, as measured on the H200; not part of the bits) are for measurements."""
+    ahead: ONE_TOKEN_DEPTH or TILE_DEPTH by default; not part of the bits) are for measurements."""
     _check(chunks, shape)
     tokens, k = x.shape
     if k != shape[1]:
@@ -525,8 +549,8 @@ def stripe_gemv(x: TileActivations, chunks: torch.Tensor, shape: tuple[int, int]
     stripes, groups = chunks.shape[0], chunks.shape[1]
     one_token = tokens == 1
     _stripe_kernel[(stripes, x.tiles.shape[0])](x.tiles, chunks, out, tokens, groups, out.stride(0), WARPS=warps,
-                                                DEPTH=depth or (2 if one_token else 1), ONE_TOKEN=one_token,
-                                                num_warps=warps, **launch_options(chunks.device))
+                                                DEPTH=depth or (ONE_TOKEN_DEPTH if one_token else TILE_DEPTH),
+                                                ONE_TOKEN=one_token, num_warps=warps, **launch_options(chunks.device))
     return out
 
 

@@ -31,24 +31,7 @@ for job in "$@"; do
       # shellcheck disable=SC2086
       (cd "$tree" && PYTHONPATH=".:$site" python3 -m ninfer bench "$artifact" --device cuda $flags $extra --json \
         >"$log.json" 2>"$log")
-      python3 - "$name" "$log.json" <<'EOF'
-import json, sys
-name, path = sys.argv[1], sys.argv[2]
-try:
-    report = json.load(open(path))
-except (OSError, ValueError) as error:
-    print(f"{name}: no report ({error})")
-    raise SystemExit
-cells = [f"bw {report['limits']['read_bytes_per_second'] / 1e12:.2f} TB/s"]
-for row in report["decode"]:
-    cells.append(f"b{row['batch']} {1000 * row['seconds_per_step']:.3f} ms {row['tokens_per_second']:.1f} tok/s "
-                 f"({row['fraction_of_bandwidth_limit']:.3f})")
-for row in report["prefill"]:
-    cells.append(f"p{row['tokens']} {row['tokens_per_second']:.1f} tok/s ({row['fraction_of_matmul_limit']:.3f})")
-if report.get("graph_memory_bytes"):  # trees before 037ba76 do not report it
-    cells.append(f"graphs {report['graph_memory_bytes'] / 2**20:.1f} MiB")
-print(f"{name}: " + ", ".join(cells))
-EOF
+      python3 scripts/device/bench_line.py "$name" "$log.json"
     done
   done
 done
