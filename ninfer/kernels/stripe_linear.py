@@ -73,9 +73,10 @@ WARPS = 8
 # with the batch route and 8 tokens cost about one token's time; at K = 5,120 one token is about 1 µs slower
 MIN_K = 8192
 # groups a warp loads ahead (1-4; not part of the bits), for one token and for tiles: on the 27B's down projection
-# one token 21.7 / 18.1 / 21.0 / 20.8 µs at depths 1-4, 8 tokens 24.5 / 26.4 / 21.1 / 21.2 (docs/performance.md,
-# forty-first session)
-ONE_TOKEN_DEPTH = 2
+# alone one token took 21.7 / 18.1 / 21.0 / 20.8 µs at depths 1-4 and 8 tokens 24.5 / 26.4 / 21.1 / 21.2; inside the
+# decode step one token at depth 4 beat depth 2 (the 27B's batch-1 step −24 µs; docs/performance.md, forty-first
+# session)
+ONE_TOKEN_DEPTH = 4
 TILE_DEPTH = 3
 
 
