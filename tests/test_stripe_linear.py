@@ -170,6 +170,19 @@ def test_one_token_gemv_matches_the_oracle(warps, depth):
     assert float((got.double() - expected).norm() / expected.norm()) < 1e-6
 
 
+def test_the_groups_loaded_ahead_never_change_a_bit():
+    # 10 groups over 4 warps: 3 steps, so depths 3 and 4 also load groups past a warp's last step
+    from ninfer.kernels.stripe_linear import quantize_tiles, stripe_gemv
+
+    shape = (32, 640)
+    chunks = repack(_matrix(shape).to(DEVICE), shape)
+    tiles = quantize_tiles(torch.randn(1, shape[1], device=DEVICE))
+    results = [stripe_gemv(tiles, chunks, shape, out_dtype=torch.float32, warps=4, depth=d) for d in (1, 2, 3, 4)]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    expected = stripe_gemv_reference(tiles, chunks, shape)
+    assert float((results[0].double() - expected).norm() / expected.norm()) < 1e-6
+
+
 def test_stripe_gemv_refuses_what_does_not_match():
     from ninfer.kernels.stripe_linear import quantize_tiles, stripe_gemv
 

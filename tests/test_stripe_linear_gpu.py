@@ -48,6 +48,15 @@ def test_stripe_gemv_on_cuda_matches_the_oracle_and_a_token_alone(name):
         assert torch.equal(got, alone[:tokens]), f"T = {tokens}: a token's bits depend on the others"
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 13])
+def test_the_groups_loaded_ahead_never_change_a_bit_on_cuda(tokens):
+    shape = SHAPES["groups past the warps"]
+    chunks = repack(_matrix(shape), shape)
+    tiles = quantize_tiles(torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16))
+    results = [stripe_gemv(tiles, chunks, shape, depth=depth) for depth in (1, 2, 3, 4)]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
 def test_stripe_gemv_writes_into_columns_of_a_wider_buffer():
     shape = SHAPES["groups past the warps"]
     chunks = repack(_matrix(shape), shape)
