@@ -4,7 +4,7 @@ every result matches the float64 oracle and that each token's row has the bits o
 timings, as a fraction of the read bandwidth measured in the same run, and the prefill's decoding of each matrix
 (the chunks against the natural layout's `dequantize`, bf16 into one scratch buffer).
 
-Usage (GPU): python3 scripts/device/stripe_timing.py [--tokens 1,8] [--warps 8,16] [--depth 1,2] [--only NAME-PART]
+Usage (GPU): python3 scripts/device/stripe_timing.py [--tokens 1,8] [--warps 8,16] [--depth 1,2,3,4] [--only NAME-PART]
        [--dequantize] (the decoding only)
 (`--warps` other than the product's WARPS changes a result's bits: timed, not the product.)"""
 
