@@ -7,11 +7,12 @@ an older architecture). Prints one line per kernel and target; exits 1 when any 
 Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources] [--opcodes] [--waits] [--only REGEX]
        [--set K=V,…]
 (TRITON_INTERPRET must be unset)
-`--resources` adds each kernel's registers, spill stack and shared memory per thread block (cuobjdump) and the
-length of its longest loop (nvdisasm), the first things to look at when a kernel is slower than its memory traffic
-predicts; `--opcodes` adds that loop's instruction count per opcode; `--waits` lists, below each kernel, the loop's
-waits on a load (`scoreboard_waits`): where a load's value is waited for, and which other loads the same wait
-covers, which is how a load meant for a later turn ends up waited for in this one; `--only` compiles the launches
+`--resources` adds each kernel's registers, spill stack and shared memory per thread block (cuobjdump), the
+length of its longest loop and the loads it issues before its PDL wait (nvdisasm): the first things to look at
+when a kernel is slower than its memory traffic predicts; `--opcodes` adds that loop's instruction count per
+opcode; `--waits` lists, below each kernel, the loop's waits on a load (`scoreboard_waits`): where a load's value
+is waited for, and which other loads the same wait covers, which is how a load meant for a later turn ends up
+waited for in this one; `--only` compiles the launches
 whose label (name and constants) matches; `--set` overrides integer constants of the launches that have them (e.g.
 `DEPTH=1,CHAIN=8`: a variant the recorded wrapper calls do not pick). The registers and the schedule depend on
 the Triton version: to read what the GPU machine runs, put that version first on PYTHONPATH (`pip install --target
@@ -236,6 +237,17 @@ def _longest_loop(lines: list[str], opcodes: bool) -> str:
     return text
 
 
+def loads_before_wait(lines: list[str]) -> int | None:
+    """Global loads (LDG) an `nvdisasm -c` listing issues before its first `griddepcontrol.wait` (SASS ACQBULK), or
+    None without one: what a PDL kernel reads while the kernel before it finishes. ptxas may move the wait above
+    loads that stand before it in the source (the stripe GEMV's non-coherent loads: docs/performance.md,
+    forty-second session), so the source alone does not tell."""
+    opcodes = [re.sub(r"^\s*/\*[0-9a-f]{4}\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0]
+               for line in lines if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
+    names = [opcode.split(".")[0] for opcode in opcodes]
+    return names[: names.index("ACQBULK")].count("LDG") if "ACQBULK" in names else None
+
+
 def scoreboard_waits(lines: list[str]) -> list[str]:
     """The waits on loads in the longest loop of an `nvdisasm -c -hex` listing. A load (LDG, LDS, LDL, LD) that
     reports to one of the warp's 6 scoreboards sets it; an instruction whose wait mask names a scoreboard waits for
@@ -300,7 +312,9 @@ def main() -> int:
                                           options={**options, "num_warps": options.get("num_warps", 4)})
                 cubin = compiled.asm["cubin"]
                 listing = _disassemble(cubin) if args.resources or args.waits else []
-                extra = _resources(cubin) + _longest_loop(listing, args.opcodes) if args.resources else ""
+                early = loads_before_wait(listing)
+                extra = (_resources(cubin) + _longest_loop(listing, args.opcodes)
+                         + ("" if early is None else f", {early} loads before the PDL wait")) if args.resources else ""
                 print(f"sm_{capability} ok      {name}({label}){extra}")
                 for wait in scoreboard_waits(listing) if args.waits else []:
                     print(f"    {wait}")

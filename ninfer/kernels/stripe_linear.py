@@ -357,14 +357,6 @@ if triton is not None:
         return _tile_block(acc, w2, w3, high, c0, c1, (r0, r1), ws_g, ws_h, 1)
 
     @triton.jit
-    def _tile_x(x, lane, t, j):
-        """Group j's x operands for lane 4g + t: token g's quads (one 16-byte load), the scales of tokens 2t, 2t + 1
-        in blocks 0 and 1 (another)."""
-        b0, b1, c0, c1 = _vector(x + j * 144 + lane * 4)
-        s0, s1, r0, r1 = _vector(x + j * 144 + 128 + t * 4)
-        return b0, b1, c0, c1, s0, s1, r0, r1
-
-    @triton.jit
     def _unit_dot(w, high, Q: tl.constexpr, x_even, x_odd):
         """A lane's dot of one base word's 8 lanes (quads Q, Q + 1) with its unit's x quads: two `dp4a`."""
         return _dp4a(_quads(w, high, Q + 1), x_odd, _dp4a(_quads(w, high, Q), x_even, 0))
@@ -426,8 +418,11 @@ if triton is not None:
     def _stripe_kernel(tiles_ptr, chunk_ptr, out_ptr, T, groups, stride_out, WARPS: tl.constexpr,
                        DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr):
         """Program (stripe, tile of 8 tokens), or with ONE_TOKEN (stripe) for T = 1: see the module docstring. The
-        first DEPTH (1-4) groups' weights are loaded before the PDL wait. With ONE_TOKEN, lanes 4g + t and 4g + (t ^ 2)
-        both sum row g + 8 · (t % 2)."""
+        first DEPTH (1-4) groups' loads stand before the PDL wait here, but ptxas (Triton 3.6 and 3.9, sm_90)
+        schedules the wait ahead of these non-coherent loads, so the kernel in fact waits first (`scripts/
+        compile_kernels.py --resources`: 0 loads before the PDL wait). As coherent loads they stay ahead of it, and
+        that made the decode step slower (docs/performance.md, forty-second session). With ONE_TOKEN, lanes 4g + t
+        and 4g + (t ^ 2) both sum row g + 8 · (t % 2)."""
         lane = tl.arange(0, 32)[None, :]
         warp = tl.arange(0, WARPS)[:, None]
         g = lane // 4
