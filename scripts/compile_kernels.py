@@ -12,9 +12,9 @@ length of its longest loop and the loads it issues before its PDL wait (nvdisasm
 when a kernel is slower than its memory traffic predicts; `--opcodes` adds that loop's instruction count per
 opcode; `--waits` lists, below each kernel, the loop's waits on a load (`scoreboard_waits`): where a load's value
 is waited for, and which other loads the same wait covers, which is how a load meant for a later turn ends up
-waited for in this one; `--only` compiles the launches
-whose label (name and constants) matches; `--set` overrides integer constants of the launches that have them (e.g.
-`DEPTH=1,CHAIN=8`: a variant the recorded wrapper calls do not pick). The registers and the schedule depend on
+waited for in this one; `--only` compiles the launches whose label (name and constants) matches; `--set` overrides
+integer constants of the launches that have them (e.g. `DEPTH=1,CHAIN=8`: a variant the recorded wrapper calls do
+not pick). The registers and the schedule depend on
 the Triton version: to read what the GPU machine runs, put that version first on PYTHONPATH (`pip install --target
 DIR triton==3.6.0`; docs/performance.md).
 """
@@ -225,14 +225,19 @@ def longest_loop(lines: list[str]) -> list[int]:
     return longest
 
 
+def _opcode(line: str) -> str:
+    """An instruction line's opcode without its predicate and modifiers: "/*0f80*/  @!P0 MOV.64 R1, R2 ;" → MOV."""
+    return re.sub(r"^\s*/\*[0-9a-f]{4}\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0]
+
+
 def _longest_loop(lines: list[str], opcodes: bool) -> str:
     """Instructions in the longest loop body of a kernel's listing (`_disassemble`): divided by the weights a thread
     handles per iteration, the instructions per weight that bound a GEMV. With `opcodes`, also their count per
     opcode (IDP, LOP3, …)."""
     longest = [lines[i] for i in longest_loop(lines)]
     text = f", loop {len(longest)} instructions"
-    if opcodes:  # "/*0f80*/  @!P0 MOV.64 R1, R2 ;" counts as MOV
-        names = (re.sub(r"^\s*/\*[0-9a-f]{4}\*/\s*(@!?U?P\w+\s+)?", "", b).split()[0].split(".")[0] for b in longest)
+    if opcodes:
+        names = (_opcode(b) for b in longest)
         text += " " + str(dict(collections.Counter(names).most_common()))
     return text
 
@@ -242,9 +247,7 @@ def loads_before_wait(lines: list[str]) -> int | None:
     None without one: what a PDL kernel reads while the kernel before it finishes. ptxas may move the wait above
     loads that stand before it in the source (the stripe GEMV's non-coherent loads: docs/performance.md,
     forty-second session), so the source alone does not tell."""
-    opcodes = [re.sub(r"^\s*/\*[0-9a-f]{4}\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0]
-               for line in lines if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
-    names = [opcode.split(".")[0] for opcode in opcodes]
+    names = [_opcode(line) for line in lines if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
     return names[: names.index("ACQBULK")].count("LDG") if "ACQBULK" in names else None
 
 
