@@ -14,9 +14,8 @@ opcode; `--waits` lists, below each kernel, the loop's waits on a load (`scorebo
 is waited for, and which other loads the same wait covers, which is how a load meant for a later turn ends up
 waited for in this one; `--only` compiles the launches whose label (name and constants) matches; `--set` overrides
 integer constants of the launches that have them (e.g. `DEPTH=1,CHAIN=8`: a variant the recorded wrapper calls do
-not pick). The registers and the schedule depend on
-the Triton version: to read what the GPU machine runs, put that version first on PYTHONPATH (`pip install --target
-DIR triton==3.6.0`; docs/performance.md).
+not pick). The registers and the schedule depend on the Triton version: to read what the GPU machine runs, put
+that version first on PYTHONPATH (`pip install --target DIR triton==3.6.0`; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -212,6 +211,10 @@ def _disassemble(cubin: bytes) -> list[str]:
         return subprocess.run([tool, "-c", "-hex", handle.name], capture_output=True, text=True).stdout.splitlines()
 
 
+# an instruction's line in an `nvdisasm -c` listing starts with its offset: "        /*0f80*/  @!P0 MOV.64 R1, R2 ;"
+INSTRUCTION = r"\s*/\*[0-9a-f]{4}\*/"
+
+
 def longest_loop(lines: list[str]) -> list[int]:
     """Indices into an `nvdisasm -c` listing of the instructions of its longest loop body: from the first
     instruction after a label to a backward branch to it."""
@@ -220,14 +223,14 @@ def longest_loop(lines: list[str]) -> list[int]:
     for i, line in enumerate(lines):
         branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if branch and labels.get(branch.group(1), i) < i:
-            body = [j for j in range(labels[branch.group(1)], i + 1) if re.match(r"\s*/\*[0-9a-f]{4}\*/", lines[j])]
+            body = [j for j in range(labels[branch.group(1)], i + 1) if re.match(INSTRUCTION, lines[j])]
             longest = max(longest, body, key=len)
     return longest
 
 
 def _opcode(line: str) -> str:
     """An instruction line's opcode without its predicate and modifiers: "/*0f80*/  @!P0 MOV.64 R1, R2 ;" → MOV."""
-    return re.sub(r"^\s*/\*[0-9a-f]{4}\*/\s*(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0]
+    return re.sub(rf"^{INSTRUCTION}\s*(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0]
 
 
 def _longest_loop(lines: list[str], opcodes: bool) -> str:
@@ -247,7 +250,7 @@ def loads_before_wait(lines: list[str]) -> int | None:
     None without one: what a PDL kernel reads while the kernel before it finishes. ptxas may move the wait above
     loads that stand before it in the source (the stripe GEMV's non-coherent loads: docs/performance.md,
     forty-second session), so the source alone does not tell."""
-    names = [_opcode(line) for line in lines if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
+    names = [_opcode(line) for line in lines if re.match(INSTRUCTION, line)]
     return names[: names.index("ACQBULK")].count("LDG") if "ACQBULK" in names else None
 
 
@@ -265,7 +268,7 @@ def scoreboard_waits(lines: list[str]) -> list[str]:
         encoding = re.search(r"/\* (0x[0-9a-f]{16}) \*/", lines[i + 1]) if i + 1 < len(lines) else None
         if encoding is None:
             raise ValueError("scoreboard_waits needs the listing of `nvdisasm -c -hex`")
-        text = re.sub(r"^\s*/\*[0-9a-f]{4}\*/\s*", "", lines[i]).split(";")[0].strip()
+        text = re.sub(rf"^{INSTRUCTION}\s*", "", lines[i]).split(";")[0].strip()
         body.append((text, int(encoding.group(1), 16)))
     pending: dict[int, list[tuple[int, str]]] = {board: [] for board in range(6)}
     report = []
@@ -315,9 +318,11 @@ def main() -> int:
                                           options={**options, "num_warps": options.get("num_warps", 4)})
                 cubin = compiled.asm["cubin"]
                 listing = _disassemble(cubin) if args.resources or args.waits else []
-                early = loads_before_wait(listing)
-                extra = (_resources(cubin) + _longest_loop(listing, args.opcodes)
-                         + ("" if early is None else f", {early} loads before the PDL wait")) if args.resources else ""
+                extra = ""
+                if args.resources:
+                    early = loads_before_wait(listing)
+                    extra = (_resources(cubin) + _longest_loop(listing, args.opcodes)
+                             + ("" if early is None else f", {early} loads before the PDL wait"))
                 print(f"sm_{capability} ok      {name}({label}){extra}")
                 for wait in scoreboard_waits(listing) if args.waits else []:
                     print(f"    {wait}")
