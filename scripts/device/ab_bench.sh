@@ -11,25 +11,19 @@
 set -uo pipefail
 old=$(realpath "$1"); rounds=$2; shift 2
 export PYTHONUNBUFFERED=1
-site=""
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && site=/tmp/site
-fi
+source scripts/device/common.sh
 new=$(pwd)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for job in "$@"; do
   IFS=: read -r preset recipe flags <<<"$job"
-  artifact="/tmp/$preset-$recipe.ninfer"
-  [ -f "$artifact" ] || (cd "$new" && PYTHONPATH=".:$site" python3 -m ninfer synth --preset "$preset" --recipe "$recipe" \
-    --device cuda --out "$artifact" --quiet)
+  path=$(artifact "$preset" "$recipe")  # synthesized by the new tree (the current directory)
   for round in $(seq "$rounds"); do
     for name in new old; do
       tree=$([ "$name" = new ] && echo "$new" || echo "$old")
       extra=$([ "$name" = new ] && echo "${AB_NEW_FLAGS:-}")
       log="$OUT/ab-$preset-$name-$round.log"
       # shellcheck disable=SC2086
-      (cd "$tree" && PYTHONPATH=".:$site" python3 -m ninfer bench "$artifact" --device cuda $flags $extra --json \
+      (cd "$tree" && PYTHONPATH=".:$SITE" python3 -m ninfer bench "$path" --device cuda $flags $extra --json \
         >"$log.json" 2>"$log")
       python3 scripts/device/bench_line.py "$name" "$log.json"
     done

@@ -6,21 +6,17 @@
 #   Each round runs every setting once, in the order given; a line per run (`bench_line.py`), logs in $OUT.
 set -uo pipefail
 rounds=$1; job=$2; shift 2
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=.:/tmp/site
-fi
+source scripts/device/common.sh
+export PYTHONUNBUFFERED=1 PYTHONPATH=".${SITE:+:$SITE}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 IFS=: read -r preset recipe flags <<<"$job"
-artifact="/tmp/$preset-$recipe.ninfer"
-[ -f "$artifact" ] || python3 -m ninfer synth --preset "$preset" --recipe "$recipe" --device cuda --out "$artifact" --quiet
+path=$(artifact "$preset" "$recipe")
 for round in $(seq "$rounds"); do
   for setting in "$@"; do
     read -r name assignments <<<"$setting"
     log="$OUT/env-$preset-$name-$round.log"
     # shellcheck disable=SC2086
-    env $assignments python3 -m ninfer bench "$artifact" --device cuda $flags --json >"$log.json" 2>"$log"
+    env $assignments python3 -m ninfer bench "$path" --device cuda $flags --json >"$log.json" 2>"$log"
     python3 scripts/device/bench_line.py "$name" "$log.json"
   done
 done

@@ -3,13 +3,10 @@
 # Usage: bash scripts/device/fast.sh [tests | tests=FILE,FILE | profile=PRESET | PRESET:RECIPE:BENCH-FLAGS ...]
 #   e.g. bash scripts/device/fast.sh tests "qwen3.8-27b:q4:-p 512 -n 64 -b 1,8"
 # Each bench job's output also goes to $OUT/bench-N-PRESET-RECIPE.log (N: the job's place in the arguments).
-# Wheels in .whl (fla-core etc.) are installed to /tmp/site first when present.
+# Wheels in .whl (fla-core etc.) are installed to /tmp/site first when present (`common.sh`).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=.:/tmp/site
-fi
+source scripts/device/common.sh
+export PYTHONUNBUFFERED=1 PYTHONPATH=".${SITE:+:$SITE}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git log --oneline -1 2>/dev/null
 index=0
@@ -33,9 +30,7 @@ for job in "$@"; do
     continue
   fi
   IFS=: read -r preset recipe flags <<<"$job"
-  artifact="/tmp/$preset-$recipe.ninfer"
-  [ -f "$artifact" ] || python3 -m ninfer synth --preset "$preset" --recipe "$recipe" --device cuda --out "$artifact" \
-    --quiet
+  path=$(artifact "$preset" "$recipe")
   # shellcheck disable=SC2086
-  python3 -m ninfer bench "$artifact" --device cuda $flags 2>&1 | tee "$OUT/bench-$index-$preset-$recipe.log" | grep -v "^loading"
+  python3 -m ninfer bench "$path" --device cuda $flags 2>&1 | tee "$OUT/bench-$index-$preset-$recipe.log" | grep -v "^loading"
 done
