@@ -279,22 +279,24 @@ if triton is not None:
         return tl.where(odd, kept_b, kept_a) + _lane_xor(tl.where(odd, kept_a, kept_b), 1, WARPS)
 
     @triton.jit
-    def _vector(at):
+    def _vector(at, COHERENT: tl.constexpr = False):
         """Four 32-bit words a lane from one 16-byte load at `at` (read-only data; inline PTX: `tl.load` of
-        contiguous lanes is vectorized in a layout that costs shared-memory conversions in the loop)."""
+        contiguous lanes is vectorized in a layout that costs shared-memory conversions in the loop). COHERENT
+        drops `.nc`: ptxas then keeps the load ahead of a PDL wait that follows it in the source."""
         if ASM:
-            r = tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [at],
+            r = tl.inline_asm_elementwise(("ld.global" if COHERENT else "ld.global.nc")
+                                          + ".v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [at],
                                           dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
         else:
             r = tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
         return r
 
     @triton.jit
-    def _word(at):
-        """One 32-bit word a lane, read-only, in place."""
+    def _word(at, COHERENT: tl.constexpr = False):
+        """One 32-bit word a lane, read-only, in place (COHERENT as `_vector`'s)."""
         if ASM:
-            r = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [at], dtype=tl.int32, is_pure=False,
-                                          pack=1)
+            r = tl.inline_asm_elementwise(("ld.global" if COHERENT else "ld.global.nc") + ".b32 $0, [$1];", "=r,l",
+                                          [at], dtype=tl.int32, is_pure=False, pack=1)
         else:
             r = tl.load(at)
         return r
@@ -307,11 +309,11 @@ if triton is not None:
         return j, step * WARPS + warp < groups
 
     @triton.jit
-    def _load_weights(chunk, lane, g, j):
+    def _load_weights(chunk, lane, g, j, COHERENT: tl.constexpr = False):
         """Group j's weight operands for lane 4g + t: its four base words (one 16-byte load), fifth bits, scales."""
         at = chunk + j * 168
-        w0, w1, w2, w3 = _vector(at + lane * 4)
-        return w0, w1, w2, w3, _word(at + 128 + lane), _word(at + 160 + g)
+        w0, w1, w2, w3 = _vector(at + lane * 4, COHERENT)
+        return w0, w1, w2, w3, _word(at + 128 + lane, COHERENT), _word(at + 160 + g, COHERENT)
 
     @triton.jit
     def _quads(w, high, Q: tl.constexpr):
@@ -417,12 +419,14 @@ if triton is not None:
     @triton.jit
     def _stripe_kernel(tiles_ptr, chunk_ptr, out_ptr, T, groups, stride_out, WARPS: tl.constexpr,
                        DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr):
-        """Program (stripe, tile of 8 tokens), or with ONE_TOKEN (stripe) for T = 1: see the module docstring. The
-        first DEPTH (1-4) groups' loads stand before the PDL wait here, but ptxas (Triton 3.6 and 3.9, sm_90)
+        """Program (stripe, tile of 8 tokens), or with ONE_TOKEN (stripe) for T = 1: see the module docstring. Tiles:
+        the first DEPTH (1-4) groups' loads stand before the PDL wait here, but ptxas (Triton 3.6 and 3.9, sm_90)
         schedules the wait ahead of these non-coherent loads, so the kernel in fact waits first (`scripts/
-        compile_kernels.py --resources`: 0 loads before the PDL wait). As coherent loads they stay ahead of it, and
-        that made the decode step slower (docs/performance.md, forty-second session). With ONE_TOKEN, lanes 4g + t
-        and 4g + (t ^ 2) both sum row g + 8 · (t % 2)."""
+        compile_kernels.py --resources`: 0 loads before the PDL wait). One token: only the first group is loaded
+        before the wait, as coherent loads, which ptxas keeps there (3 loads before the wait). Measured in the
+        27B's decode step: all DEPTH groups ahead of the wait cost 35 µs at batch 1 and 25 at batch 8 (forty-second
+        session), the first group alone gains 8-16 µs at batch 1 (forty-third; docs/performance.md). With
+        ONE_TOKEN, lanes 4g + t and 4g + (t ^ 2) both sum row g + 8 · (t % 2)."""
         lane = tl.arange(0, 32)[None, :]
         warp = tl.arange(0, WARPS)[:, None]
         g = lane // 4
@@ -432,7 +436,11 @@ if triton is not None:
         x = tiles_ptr + tl.program_id(1).to(tl.int64) * groups * 144
         steps = tl.cdiv(groups, WARPS)
         j0, _ = _group_at(0, warp, steps, groups, WARPS)
-        weights0 = _load_weights(chunk, lane, g, j0)
+        if ONE_TOKEN:  # the first group only, coherent, so that it stays ahead of the wait
+            weights0 = _load_weights(chunk, lane, g, j0, True)
+            wait_for_inputs(PDL)
+        else:
+            weights0 = _load_weights(chunk, lane, g, j0)
         if DEPTH >= 2:
             j1, _ = _group_at(1, warp, steps, groups, WARPS)
             weights1 = _load_weights(chunk, lane, g, j1)
@@ -442,7 +450,8 @@ if triton is not None:
         if DEPTH >= 4:
             j3, _ = _group_at(3, warp, steps, groups, WARPS)
             weights3 = _load_weights(chunk, lane, g, j3)
-        wait_for_inputs(PDL)
+        if not ONE_TOKEN:
+            wait_for_inputs(PDL)
         x0 = _x_operands(x, lane, t, j0, ONE_TOKEN)
         if DEPTH >= 2:
             x1 = _x_operands(x, lane, t, j1, ONE_TOKEN)
