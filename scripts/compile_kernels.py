@@ -127,8 +127,6 @@ def _record_all() -> None:
     for tokens in (1, 8):
         stripe_linear.stripe_gemv(stripe_linear.quantize_tiles(torch.randn(tokens, shape[1], dtype=torch.bfloat16)),
                                   chunks, shape)
-    for dtype in (torch.bfloat16, torch.float32):  # one token's SwiGLU in the GEMV
-        stripe_linear.stripe_gemv_swiglu(torch.randn(1, 2 * shape[1], dtype=dtype), chunks, shape)
     stripe_linear.dequantize_stripes(chunks, shape)
     fp8 = codec_for(fp8_linear.FORMAT).encode(torch.randn(64, 512))
     fp8_linear.fp8_linear_gemv(x, fp8, (64, 512))

@@ -62,9 +62,9 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
     # the stripe GEMV: at one token exactly its first group's three loads before the wait (27B batch 1: −8 to −16 µs
     # a step), for tiles none (all DEPTH groups early cost 35 µs at batch 1 and 25 at batch 8; forty-second and
     # forty-third sessions)
-    stripes = re.findall(r"^sm_90 ok\s+_stripe_kernel\(.*ONE_TOKEN=(\w+).*, (\d+) loads before the PDL wait$",
-                         result.stdout, re.MULTILINE)
-    assert len(stripes) == 4 and set(stripes) == {("True", "3"), ("False", "0")}, stripes  # with its SwiGLU too
+    stripes = dict(re.findall(r"^sm_90 ok\s+_stripe_kernel\(.*ONE_TOKEN=(\w+).*, (\d+) loads before the PDL wait$",
+                              result.stdout, re.MULTILINE))
+    assert stripes == {"True": "3", "False": "0"}, stripes
 
 
 def _listing(instructions: list[tuple[str, int, int]]) -> list[str]:

@@ -192,36 +192,3 @@ def test_stripe_gemv_refuses_what_does_not_match():
         stripe_gemv(quantize_tiles(torch.randn(1, 512, device=DEVICE)), chunks, shape)
     with pytest.raises(ValueError, match="int32"):
         stripe_gemv(quantize_tiles(torch.randn(1, 640, device=DEVICE)), chunks[:2], shape)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("warps_past_groups", [False, True])
-def test_one_token_gemv_with_its_own_swiglu_has_the_bits_of_silu_mul_then_the_gemv(warps_past_groups, dtype):
-    from ninfer.kernels.fused import silu_mul
-    from ninfer.kernels.stripe_linear import stripe_gemv, stripe_gemv_swiglu
-
-    shape = (32, 192) if warps_past_groups else (48, 640)  # 3 groups for 8 warps; 10 groups
-    chunks = repack(_matrix(shape).to(DEVICE), shape)
-    torch.manual_seed(1)
-    gate_up = (torch.randn(1, 2 * shape[1], device=DEVICE) * 3).to(dtype)
-    gate_up[0, 5] = 0.0  # a zero lane, and a block of zeros (scale 0: codes 0)
-    gate_up[0, 64:96] = 0.0
-    expected = stripe_gemv(silu_mul(gate_up, quantize=True, tiles=True), chunks, shape, out_dtype=torch.float32)
-    got = stripe_gemv_swiglu(gate_up, chunks, shape, out=torch.empty(1, shape[0], device=DEVICE))
-    assert torch.equal(got, expected)
-    assert stripe_gemv_swiglu(gate_up, chunks, shape).dtype == dtype
-
-
-def test_stripe_gemv_swiglu_refuses_what_it_does_not_take():
-    from ninfer.kernels.stripe_linear import stripe_gemv_swiglu, swiglu_fits
-
-    shape = (48, 640)
-    chunks = repack(_matrix(shape).to(DEVICE), shape)
-    gate_up = torch.randn(1, 2 * shape[1], device=DEVICE).to(torch.bfloat16)
-    assert swiglu_fits(gate_up, shape)
-    assert not swiglu_fits(torch.cat([gate_up, gate_up]), shape)  # two tokens
-    assert swiglu_fits(gate_up.float(), shape)
-    assert not swiglu_fits(gate_up.half(), shape)
-    assert not swiglu_fits(gate_up[:, :1000], (48, 500))  # K not whole groups
-    with pytest.raises(ValueError, match="one contiguous bf16 or fp32 row"):
-        stripe_gemv_swiglu(gate_up[:, : shape[1]], chunks, shape)

@@ -100,35 +100,3 @@ def test_packed_linear_keeps_the_down_projection_as_stripes_on_every_route():
     assert float((prefill.double() - exact).norm() / exact.norm()) < BF16_REL
     with pytest.raises(ValueError, match="stripe chunks"):
         linear.rows(torch.arange(3, device="cuda"))
-
-
-def _gate_up(tokens, width):
-    """gate/up rows at the scale of the 27B's MLP, with blocks that test the quantizer's edges: all zeros (scale
-    0), tiny (scale below 2^-60: the quotient's lifted range), huge, and a denormal lane."""
-    torch.manual_seed(3)
-    gate_up = (torch.randn(tokens, 2 * width, device="cuda") * 2).to(torch.bfloat16)
-    gate_up[:, 32:64] = 0.0
-    gate_up[:, 96:128] = 1e-25
-    gate_up[:, width + 224 : width + 256] = torch.randn(tokens, 32, device="cuda").to(torch.bfloat16) * 1e-30
-    gate_up[:, 160:192] = 200.0
-    gate_up[:, width + 160 : width + 192] = 1e30
-    gate_up[:, width + 7] = 1e-39
-    return gate_up
-
-
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_one_token_gemv_with_its_own_swiglu_has_the_bits_of_every_token_count(name):
-    # stripe_gemv_swiglu (one launch) against silu_mul's tiles then the GEMV, for the same token alone and inside
-    # tiles of 8 and 13 tokens (the mma kernel): the same bits, so a decode step equals the verify step it replaces
-    from ninfer.kernels.stripe_linear import stripe_gemv_swiglu
-
-    shape = SHAPES[name]
-    chunks = repack(_matrix(shape), shape)
-    gate_up = _gate_up(13, shape[1])
-    tiled = stripe_gemv(silu_mul(gate_up, quantize=True, tiles=True), chunks, shape)
-    for t in (0, 5, 12):
-        one = gate_up[t : t + 1].contiguous()
-        fused = stripe_gemv_swiglu(one, chunks, shape)
-        assert torch.equal(fused, stripe_gemv(silu_mul(one, quantize=True, tiles=True), chunks, shape)), t
-        assert torch.equal(fused, tiled[t : t + 1]), t
-    assert torch.isfinite(tiled).all()

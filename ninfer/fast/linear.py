@@ -8,8 +8,7 @@ Routes (chosen by the format, the number of tokens T and what x is):
     (`project`);
   * q5 matrices with long rows (`stripes_fit`: the dense MLP's down projection) are repacked at load into stripe
     chunks (`ninfer.kernels.stripe_linear`): their decode and verify steps take the stripe GEMV over x's tiles
-    (`TileActivations`, which `silu_mul` writes), where 8 tokens cost about what one token costs; at one token
-    the GEMV can take the gate/up projection itself and apply SwiGLU to it (`swiglu`: one launch fewer);
+    (`TileActivations`, which `silu_mul` writes), where 8 tokens cost about what one token costs;
   * groupwise, x a tensor (prefill, any T): dequantize into a shared scratch buffer, then cuBLAS (the matmul
     dominates); stacked MoE experts go through the grouped kernel in one launch;
   * fp8 rows: the FP8 GEMV for T ≤ 16 (its cost grows with T: one token per program), rows decoded into the
@@ -20,8 +19,6 @@ The output has x's dtype unless asked otherwise; MoE experts go through `gather`
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +42,7 @@ from ninfer.kernels.stripe_linear import (
     quantize_tiles,
     repack,
     stripe_gemv,
-    stripe_gemv_swiglu,
     stripes_fit,
-    swiglu_fits,
 )
 from ninfer.quant import codec_for
 from ninfer.quant.groupwise import GroupwiseCodec
@@ -191,16 +186,6 @@ class PackedLinear:
             weight = self._decoded(0, self.shape[0])
             result = F.linear(source.to(weight.dtype), weight).to(out_dtype)
         return result if out is None else out.copy_(result)
-
-    def takes_swiglu(self, gate_up: torch.Tensor) -> bool:
-        """Whether `swiglu` takes this gate/up projection: W kept as stripe chunks and one token's bf16 projection
-        (`swiglu_fits`), unless switched off with NINFER_FUSED_SWIGLU=0."""
-        return self.stripes and swiglu_fits(gate_up, self.shape) and os.environ.get("NINFER_FUSED_SWIGLU") != "0"
-
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) · up through W for one token's gate/up projection `[1, 2K]` (`takes_swiglu`), in one launch
-        (`stripe_gemv_swiglu`): the bits of `self(silu_mul(gate_up, quantize=True, tiles=True))`."""
-        return stripe_gemv_swiglu(gate_up, self.data, self.shape)
 
     def route(self, x: Activations) -> str:
         """The kernel that takes x's product: "stripes" (W kept as stripe chunks, x's int8 image: the stripe GEMV,

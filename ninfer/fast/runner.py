@@ -647,8 +647,6 @@ class FastQwen35:
             gate_up = self._linear(self.linears[prefix + "mlp/gate_up"], h, integer)
             self._prefetch([prefix + "mlp/down"])
             down = self.linears[prefix + "mlp/down"]
-            if integer and down.takes_swiglu(gate_up):  # one token: the down GEMV applies SwiGLU itself
-                return down.swiglu(gate_up)
             return self._linear(down, silu_mul(gate_up, self._quantizes_for(down, gate_up, integer), down.stripes),
                                 integer)
         routed_gate_up = self.linears[prefix + "moe/routed_gate_up"]

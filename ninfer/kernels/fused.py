@@ -39,7 +39,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 if triton is not None:
     from ninfer.kernels.activation_quant import store_tile_records
     from ninfer.kernels.stripe_linear import store_tile_x
-    from ninfer.kernels.swiglu import swiglu
 
 
 if triton is not None:
@@ -92,7 +91,9 @@ if triton is not None:
         ok = cols < width
         gate = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
         up = tl.load(gu_ptr + row * stride_gu + width + cols, mask=ok, other=0.0)
-        y = swiglu(gate, up)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        y = (silu * up).to(gate.dtype)
         tl.store(out_ptr + row * width + cols, y, mask=ok)
         if QUANTIZE:  # this tile's whole 32-lane blocks (BLOCK is a multiple of 128): their int8 records
             if TILES:  # in the stripe GEMV's tile layout

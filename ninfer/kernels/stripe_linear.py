@@ -56,7 +56,6 @@ try:  # Triton is optional: the CPU path never needs it
     import triton.language as tl
 
     from ninfer.kernels.activation_quant import block_quads
-    from ninfer.kernels.swiglu import swiglu
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
@@ -258,26 +257,13 @@ if triton is not None:
 
     @triton.jit
     def _lane_xor(v, MASK: tl.constexpr, WARPS: tl.constexpr):
-        """v `[WARPS, 32]` int32 with lane l given lane l ^ MASK's value (MASK a power of two below 32): one
-        `shfl.sync.bfly` on the GPU (the tensor's element (w, l) lives in lane l of warp w), a flip of pairs under
-        the interpreter."""
+        """v `[WARPS, 32]` int32 with lane l given lane l ^ MASK's value (MASK 1 or 2): one `shfl.sync.bfly` on the
+        GPU (the tensor's element (w, l) lives in lane l of warp w), a flip of pairs under the interpreter."""
         if ASM:
             r = tl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {MASK}, 0x1f, 0xffffffff;", "=r,r", [v],
                                           dtype=tl.int32, is_pure=True, pack=1)
         else:
             r = tl.reshape(tl.flip(tl.reshape(v, [WARPS, 32 // (2 * MASK), 2, MASK]), 2), [WARPS, 32])
-        return r
-
-    @triton.jit
-    def _lane_from(v, source, WARPS: tl.constexpr):
-        """v `[WARPS, 32]` int32 with lane l given lane source[l]'s value (source `[1, 32]`, 0..31): one
-        `shfl.sync.idx` on the GPU, a one-hot sum under the interpreter."""
-        if ASM:
-            r = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
-                                          [v, source + 0 * v], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            picked = tl.arange(0, 32)[None, None, :] == (source + 0 * v)[:, :, None]
-            r = tl.sum(tl.where(picked, v[:, None, :], 0), axis=2)
         return r
 
     @triton.jit
@@ -303,16 +289,6 @@ if triton is not None:
                                           dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
         else:
             r = tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
-        return r
-
-    @triton.jit
-    def _words(at):
-        """Two 32-bit words a lane from one 8-byte load at `at` (read-only)."""
-        if ASM:
-            r = tl.inline_asm_elementwise("ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [at],
-                                          dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
-        else:
-            r = tl.load(at), tl.load(at + 1)
         return r
 
     @triton.jit
@@ -407,106 +383,11 @@ if triton is not None:
         return acc + d1 * (ws * r0.to(tl.float32, bitcast=True))
 
     @triton.jit
-    def _quotient(y, divisor, reciprocal):
-        """y / divisor rounded to nearest, by the fast path of `div.rn.f32` with the divisor's reciprocal made once
-        (`_reciprocal`): q = y · r, then q + r · (y − divisor · q) by fused multiply-adds — the instructions ptxas
-        emits for `div_rn` when its range check (FCHK) passes, so the same bits there. The callers keep their
-        operands in that range (`_swiglu_operands`). `div_rn` itself under the interpreter."""
-        if ASM:
-            q = y * reciprocal
-            r = tl.fma(reciprocal, tl.fma(-divisor, q, y), q)
-        else:
-            r = tl.math.div_rn(y, divisor)
-        return r
-
-    @triton.jit
-    def _reciprocal(divisor):
-        """1 / divisor as `div.rn.f32`'s fast path refines it: `rcp.approx` then one Newton step (a fused
-        multiply-add pair); unused under the interpreter."""
-        if ASM:
-            approx = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [divisor], dtype=tl.float32,
-                                               is_pure=True, pack=1)
-            r = tl.fma(approx, tl.fma(-divisor, approx, 1.0), approx)
-        else:
-            r = divisor
-        return r
-
-    @triton.jit
-    def _bytes(a, b, SELECTOR: tl.constexpr):
-        """Bytes of (a, b) picked by SELECTOR (a's bytes 0-3, b's 4-7; a nibble a byte, lowest first): one `prmt`
-        on the GPU, shifts under the interpreter."""
-        if ASM:
-            r = tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECTOR};", "=r,r,r", [a, b], dtype=tl.int32,
-                                          is_pure=True, pack=1)
-        else:
-            r = 0 * a
-            for i in tl.static_range(4):
-                pick: tl.constexpr = (SELECTOR >> (4 * i)) & 7
-                source = a if pick < 4 else b
-                r = r | (((source >> (8 * (pick % 4))) & 0xFF) << (8 * i))
-        return r
-
-    @triton.jit
-    def _swiglu_operands(words, lane, t, WARPS: tl.constexpr, SWIGLU: tl.constexpr):
-        """One token's x operands of a group (`_x_operands`' layout) made from the gate and up projections: lane l
-        holds the (gate, up) pairs of the group's lanes 2l, 2l + 1 (block l // 16: `words`, bf16 pairs in one word
-        each with SWIGLU 2, fp32 in two with 4), makes their SwiGLU values
-        (`swiglu`, as `fused.silu_mul`) and quantizes them as `block_quads` does: the block's absolute maximum over
-        its 16 lanes (`max` is exact in any order), scale = max / 127 (`div_rn`) and code = y / scale rounded to
-        nearest (`_quotient`; both scaled by 2^64 first when the scale is below 2^-60, which is exact and keeps them
-        in the fast path's range) then half to even — the codes and scales of `silu_mul`'s tiles, bit for bit, for
-        finite values. Lanes l and l ^ 1 then hold the four codes of lanes 4 · (l // 2 % 2) … + 3 of a unit (one
-        exchange), and lane 4g + t gathers unit t's two such words of each block (4 `shfl.idx`) into its even and
-        odd quads (`prmt`), and the other block's scale (one exchange more)."""
-        if SWIGLU == 2:
-            gate_words, up_words = words
-            gate0 = (gate_words & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            gate1 = (gate_words >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            up0 = (up_words & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            up1 = (up_words >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        else:
-            gate0, gate1, up0, up1 = words
-            gate0 = gate0.to(tl.float32, bitcast=True)
-            gate1 = gate1.to(tl.float32, bitcast=True)
-            up0 = up0.to(tl.float32, bitcast=True)
-            up1 = up1.to(tl.float32, bitcast=True)
-        y0 = swiglu(gate0, up0).to(tl.float32)
-        y1 = swiglu(gate1, up1).to(tl.float32)
-        top = tl.maximum(tl.abs(y0), tl.abs(y1))
-        top = tl.maximum(top, _lane_xor(top.to(tl.int32, bitcast=True), 1, WARPS).to(tl.float32, bitcast=True))
-        top = tl.maximum(top, _lane_xor(top.to(tl.int32, bitcast=True), 2, WARPS).to(tl.float32, bitcast=True))
-        top = tl.maximum(top, _lane_xor(top.to(tl.int32, bitcast=True), 4, WARPS).to(tl.float32, bitcast=True))
-        top = tl.maximum(top, _lane_xor(top.to(tl.int32, bitcast=True), 8, WARPS).to(tl.float32, bitcast=True))
-        scale = tl.math.div_rn(top, 127.0)
-        lift = tl.where(scale < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)  # 2^-60, 2^64
-        divisor = tl.where(scale > 0, scale, 1.0) * lift
-        reciprocal = _reciprocal(divisor)
-        code0 = (_quotient(y0 * lift, divisor, reciprocal) + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-        code1 = (_quotient(y1 * lift, divisor, reciprocal) + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-        pair = (code0 & 0xFF) | ((code1 & 0xFF) << 8)  # unit lanes 2k, 2k + 1 (k = l % 4)
-        neighbour = _lane_xor(pair, 1, WARPS)
-        four = tl.where((lane & 1) == 0, pair | (neighbour << 16), neighbour | (pair << 16))
-        first = 4 * t
-        low0, high0 = _lane_from(four, first, WARPS), _lane_from(four, first + 2, WARPS)
-        low1, high1 = _lane_from(four, first + 16, WARPS), _lane_from(four, first + 18, WARPS)
-        mine = scale.to(tl.int32, bitcast=True)
-        other = _lane_xor(mine, 16, WARPS)
-        block0 = lane < 16
-        return (_bytes(low0, high0, 0x6420), _bytes(low0, high0, 0x7531), _bytes(low1, high1, 0x6420),
-                _bytes(low1, high1, 0x7531), tl.where(block0, mine, other), tl.where(block0, other, mine))
-
-    @triton.jit
-    def _x_operands(x, up, lane, t, j, ONE_TOKEN: tl.constexpr, SWIGLU: tl.constexpr):
+    def _x_operands(x, lane, t, j, ONE_TOKEN: tl.constexpr):
         """Group j's x operands for lane 4g + t. Tiles of 8: token g's quads (one 16-byte load) and the scales of
         tokens 2t, 2t + 1 in blocks 0 and 1 (another). One token: token 0's quads of unit t (the same load for the
-        8 rows), and its scales in blocks 0 and 1 (words 128 and 130). SWIGLU (one token; the bytes of an element,
-        2 or 4): the words of the gate and up projections that lane l turns into them (`_swiglu_operands`), x and
-        up pointing at their int32 words."""
-        if SWIGLU == 2:
-            operands = (_word(x + j * 32 + lane), _word(up + j * 32 + lane))
-        elif SWIGLU == 4:
-            operands = _words(x + j * 64 + 2 * lane) + _words(up + j * 64 + 2 * lane)
-        elif ONE_TOKEN:
+        8 rows), and its scales in blocks 0 and 1 (words 128 and 130)."""
+        if ONE_TOKEN:
             b0, b1, c0, c1 = _vector(x + j * 144 + t * 4)
             s0, _, r0, _ = _vector(x + j * 144 + 128 + 0 * t)
             operands = (b0, b1, c0, c1, s0, r0)
@@ -517,13 +398,9 @@ if triton is not None:
         return operands
 
     @triton.jit
-    def _group(acc, weights, x, counts, lane, t, WARPS: tl.constexpr, ONE_TOKEN: tl.constexpr,
-               SWIGLU: tl.constexpr):
-        """acc += one group: `_one_token_group` into acc's first sum (its x operands made here with SWIGLU), or
-        `_tile_group`."""
+    def _group(acc, weights, x, counts, t, WARPS: tl.constexpr, ONE_TOKEN: tl.constexpr):
+        """acc += one group: `_one_token_group` into acc's first sum, or `_tile_group`."""
         if ONE_TOKEN:
-            if SWIGLU:
-                x = _swiglu_operands(x, lane, t, WARPS, SWIGLU)
             acc0, acc1, acc2, acc3 = acc
             acc = (_one_token_group(acc0, weights, x, counts, t, WARPS), acc1, acc2, acc3)
         else:
@@ -531,17 +408,17 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _step(acc, weights, x_ops, s, chunk, x, up, lane, g, t, warp, steps, groups, WARPS: tl.constexpr,
-              DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr, SWIGLU: tl.constexpr):
+    def _step(acc, weights, x_ops, s, chunk, x, lane, g, t, warp, steps, groups, WARPS: tl.constexpr,
+              DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr):
         """acc += the group of step s (its operands loaded DEPTH steps ago); then the operands of step s + DEPTH."""
         _, counts = _group_at(s, warp, steps, groups, WARPS)
-        acc = _group(acc, weights, x_ops, counts, lane, t, WARPS, ONE_TOKEN, SWIGLU)
+        acc = _group(acc, weights, x_ops, counts, t, WARPS, ONE_TOKEN)
         j, _ = _group_at(s + DEPTH, warp, steps, groups, WARPS)
-        return acc, _load_weights(chunk, lane, g, j), _x_operands(x, up, lane, t, j, ONE_TOKEN, SWIGLU)
+        return acc, _load_weights(chunk, lane, g, j), _x_operands(x, lane, t, j, ONE_TOKEN)
 
     @triton.jit
-    def _stripe_kernel(tiles_ptr, chunk_ptr, out_ptr, T, groups, stride_out, up_words, WARPS: tl.constexpr,
-                       DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr):
+    def _stripe_kernel(tiles_ptr, chunk_ptr, out_ptr, T, groups, stride_out, WARPS: tl.constexpr,
+                       DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr):
         """Program (stripe, tile of 8 tokens), or with ONE_TOKEN (stripe) for T = 1: see the module docstring. Tiles:
         the first DEPTH (1-4) groups' loads stand before the PDL wait here, but ptxas (Triton 3.6 and 3.9, sm_90)
         schedules the wait ahead of these non-coherent loads, so the kernel in fact waits first (`scripts/
@@ -549,10 +426,7 @@ if triton is not None:
         before the wait, as coherent loads, which ptxas keeps there (3 loads before the wait). Measured in the
         27B's decode step: all DEPTH groups ahead of the wait cost 35 µs at batch 1 and 25 at batch 8 (forty-second
         session), the first group alone gains 8-16 µs at batch 1 (forty-third; docs/performance.md). With
-        ONE_TOKEN, lanes 4g + t and 4g + (t ^ 2) both sum row g + 8 · (t % 2). SWIGLU (with ONE_TOKEN: the bytes of
-        an element, 2 for bf16 or 4 for fp32; 0 otherwise): tiles_ptr holds the int32 words of one token's gate
-        projection and the up projection's start `up_words` words on; the kernel applies SwiGLU to them and
-        quantizes x itself (`_swiglu_operands`)."""
+        ONE_TOKEN, lanes 4g + t and 4g + (t ^ 2) both sum row g + 8 · (t % 2)."""
         lane = tl.arange(0, 32)[None, :]
         warp = tl.arange(0, WARPS)[:, None]
         g = lane // 4
@@ -560,7 +434,6 @@ if triton is not None:
         stripe = tl.program_id(0).to(tl.int64)
         chunk = chunk_ptr + stripe * groups * 168
         x = tiles_ptr + tl.program_id(1).to(tl.int64) * groups * 144
-        up = tiles_ptr + up_words
         steps = tl.cdiv(groups, WARPS)
         j0, _ = _group_at(0, warp, steps, groups, WARPS)
         if ONE_TOKEN:  # the first group only, coherent, so that it stays ahead of the wait
@@ -579,28 +452,28 @@ if triton is not None:
             weights3 = _load_weights(chunk, lane, g, j3)
         if not ONE_TOKEN:
             wait_for_inputs(PDL)
-        x0 = _x_operands(x, up, lane, t, j0, ONE_TOKEN, SWIGLU)
+        x0 = _x_operands(x, lane, t, j0, ONE_TOKEN)
         if DEPTH >= 2:
-            x1 = _x_operands(x, up, lane, t, j1, ONE_TOKEN, SWIGLU)
+            x1 = _x_operands(x, lane, t, j1, ONE_TOKEN)
         if DEPTH >= 3:
-            x2 = _x_operands(x, up, lane, t, j2, ONE_TOKEN, SWIGLU)
+            x2 = _x_operands(x, lane, t, j2, ONE_TOKEN)
         if DEPTH >= 4:
-            x3 = _x_operands(x, up, lane, t, j3, ONE_TOKEN, SWIGLU)
+            x3 = _x_operands(x, lane, t, j3, ONE_TOKEN)
         zero = tl.zeros([WARPS, 32], tl.float32)
         acc = (zero, zero, zero, zero)
         for turn in range(tl.cdiv(steps, DEPTH)):
             s = turn * DEPTH
-            acc, weights0, x0 = _step(acc, weights0, x0, s, chunk, x, up, lane, g, t, warp, steps, groups, WARPS,
-                                      DEPTH, ONE_TOKEN, SWIGLU)
+            acc, weights0, x0 = _step(acc, weights0, x0, s, chunk, x, lane, g, t, warp, steps, groups, WARPS, DEPTH,
+                                      ONE_TOKEN)
             if DEPTH >= 2:
-                acc, weights1, x1 = _step(acc, weights1, x1, s + 1, chunk, x, up, lane, g, t, warp, steps, groups,
-                                          WARPS, DEPTH, ONE_TOKEN, SWIGLU)
+                acc, weights1, x1 = _step(acc, weights1, x1, s + 1, chunk, x, lane, g, t, warp, steps, groups, WARPS,
+                                          DEPTH, ONE_TOKEN)
             if DEPTH >= 3:
-                acc, weights2, x2 = _step(acc, weights2, x2, s + 2, chunk, x, up, lane, g, t, warp, steps, groups,
-                                          WARPS, DEPTH, ONE_TOKEN, SWIGLU)
+                acc, weights2, x2 = _step(acc, weights2, x2, s + 2, chunk, x, lane, g, t, warp, steps, groups, WARPS,
+                                          DEPTH, ONE_TOKEN)
             if DEPTH >= 4:
-                acc, weights3, x3 = _step(acc, weights3, x3, s + 3, chunk, x, up, lane, g, t, warp, steps, groups,
-                                          WARPS, DEPTH, ONE_TOKEN, SWIGLU)
+                acc, weights3, x3 = _step(acc, weights3, x3, s + 3, chunk, x, lane, g, t, warp, steps, groups, WARPS,
+                                          DEPTH, ONE_TOKEN)
         acc0, acc1, acc2, acc3 = acc
         dtype = out_ptr.dtype.element_ty
         if ONE_TOKEN:
@@ -680,41 +553,9 @@ def stripe_gemv(x: TileActivations, chunks: torch.Tensor, shape: tuple[int, int]
         return out
     stripes, groups = chunks.shape[0], chunks.shape[1]
     one_token = tokens == 1
-    _stripe_kernel[(stripes, x.tiles.shape[0])](x.tiles, chunks, out, tokens, groups, out.stride(0), 0, WARPS=warps,
+    _stripe_kernel[(stripes, x.tiles.shape[0])](x.tiles, chunks, out, tokens, groups, out.stride(0), WARPS=warps,
                                                 DEPTH=depth or (ONE_TOKEN_DEPTH if one_token else TILE_DEPTH),
-                                                ONE_TOKEN=one_token, SWIGLU=0, num_warps=warps,
-                                                **launch_options(chunks.device))
-    return out
-
-
-def swiglu_fits(gate_up: torch.Tensor, shape: tuple[int, int]) -> bool:
-    """Whether `stripe_gemv_swiglu` takes this gate/up projection for a matrix of `shape`: one token, bf16 or fp32,
-    the two halves of K lanes each (K a multiple of GROUP: whole groups, no padding) side by side in one contiguous
-    row, aligned to two elements."""
-    return (gate_up.dim() == 2 and tuple(gate_up.shape) == (1, 2 * shape[1]) and shape[1] % GROUP == 0
-            and gate_up.dtype in (torch.bfloat16, torch.float32) and gate_up.is_contiguous()
-            and gate_up.data_ptr() % (2 * gate_up.element_size()) == 0)
-
-
-def stripe_gemv_swiglu(gate_up: torch.Tensor, chunks: torch.Tensor, shape: tuple[int, int],
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """down(silu(gate) · up) `[1, N]` for one token's gate/up projection `[1, 2K]` (gate first; `swiglu_fits`) and
-    W's stripe chunks, in one launch: the one-token kernel applies SwiGLU to its own input and quantizes it, so the
-    result has the bits of `stripe_gemv(fused.silu_mul(gate_up, quantize=True, tiles=True), ...)` without that
-    launch. Into `out` when given (as `stripe_gemv`)."""
-    _check(chunks, shape)
-    if not swiglu_fits(gate_up, shape):
-        raise ValueError(f"stripe_gemv_swiglu takes one contiguous bf16 or fp32 row of 2 × {shape[1]} lanes "
-                         f"({shape[1]} a multiple of {GROUP}), got {gate_up.dtype} {list(gate_up.shape)}")
-    if out is None:
-        out = torch.empty((1, shape[0]), dtype=gate_up.dtype, device=chunks.device)
-    elif out.shape != (1, shape[0]) or out.stride(-1) != 1:
-        raise ValueError(f"out must be a [1, {shape[0]}] view with unit column stride")
-    stripes, groups = chunks.shape[0], chunks.shape[1]
-    size = gate_up.element_size()
-    _stripe_kernel[(stripes, 1)](gate_up.view(torch.int32), chunks, out, 1, groups, out.stride(0),
-                                 shape[1] * size // 4, WARPS=WARPS, DEPTH=ONE_TOKEN_DEPTH, ONE_TOKEN=True,
-                                 SWIGLU=size, num_warps=WARPS, **launch_options(chunks.device))
+                                                ONE_TOKEN=one_token, num_warps=warps, **launch_options(chunks.device))
     return out
 
 
