@@ -23,8 +23,6 @@ on the CPU (tested there in fp32; bf16 conversions in the interpreter truncate).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -168,8 +166,6 @@ ELEMENTWISE_BLOCK = 1024  # lanes per program of the elementwise kernels (a mult
 # up to this many rows (every decode and verify step: MAX_GEMV_TOKENS) a norm spreads each row over several
 # programs; one layout for all of them, so a row's bits do not depend on how many rows the step has
 NORM_SPLIT_ROWS = 64
-# `silu_mul` with its int8 image (decode and verify steps): BLOCK:WARPS of its programs (the same bits at any)
-QUANTIZING_BLOCK, QUANTIZING_WARPS = (int(v) for v in os.environ.get("NINFER_SILU_PROGRAMS", "512:8").split(":"))
 
 
 def _check(name: str, *tensors: Tensor) -> None:
@@ -221,10 +217,9 @@ def silu_mul(gate_up: Tensor, quantize: bool = False,
     else:
         records = empty_records(rows, inter, out.device) if quantize else out
         count = records.shape[1] if quantize else 0
-    block, warps = (QUANTIZING_BLOCK, QUANTIZING_WARPS) if quantize else (ELEMENTWISE_BLOCK, 4)
-    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-        gate_up, out, records, inter, gate_up.stride(0), count, QUANTIZE=quantize, TILES=tiles, BLOCK=block,
-        num_warps=warps, **launch_options(gate_up.device))
+    _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](
+        gate_up, out, records, inter, gate_up.stride(0), count, QUANTIZE=quantize, TILES=tiles,
+        BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **launch_options(gate_up.device))
     if not quantize:
         return out
     return TileActivations(out, records) if tiles else Int8Activations(out, records)
