@@ -83,6 +83,31 @@ def median_replay_us(setup, call, repeats: int = 40) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def captured(run) -> torch.cuda.CUDAGraph:
+    """`run()` (run once before, so that its kernels are compiled) captured as a CUDA graph on a side stream."""
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        run()
+    torch.cuda.synchronize()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20, warm: int = 3) -> float:
+    """Mean µs of a replay of `graph` over `replays` back to back between CUDA events, after `warm` untimed."""
+    for _ in range(warm):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
 def slice_model(preset: str, max_context: int, device: str = "cuda") -> FastQwen35:
     """The fast path on the first 4 layers of `preset`'s synthetic q4 artifact (/tmp/PRESET-slice.ninfer): the
     kernels of a step at the real widths, with room for 8 sequences of `max_context` tokens."""

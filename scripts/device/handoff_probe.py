@@ -16,7 +16,7 @@ small kernel S (16 programs reading B's last output, writing a vector that B rea
     does the same);
   * `alone`: B alone, reading the previous B's output itself (no small kernel: the floor).
 
-Usage (GPU): python3 scripts/device/handoff_probe.py [STAGES]
+Usage (GPU, from scripts/device): PYTHONPATH=$PWD/../.. python3 handoff_probe.py [STAGES]
 Prints µs a stage for each chain, and checks that the flag chains compute what the boundary chain does."""
 
 import sys
@@ -24,6 +24,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from device_timing import captured, replay_us
 
 STAGES = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 P = 1024  # B's programs
@@ -160,24 +161,11 @@ def main() -> None:
         for ticket, done in counters:
             ticket.zero_()
             done.zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            chain(kind, weights, outs, ys, counters)
-        torch.cuda.synchronize()
+        graph = captured(lambda k=kind, o=outs, y=ys, c=counters: chain(k, weights, o, y, c))
         graph.replay()
         torch.cuda.synchronize()
         results[kind] = outs[-1].clone()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(3):
-            graph.replay()
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / REPLAYS
+        ms = replay_us(graph, REPLAYS) / 1e3
         print(f"{kind:12s}: {ms * 1e3 / STAGES:6.2f} us a stage ({STAGES} stages, {WEIGHT_BYTES >> 20} MiB of "
               f"weights each: {WEIGHT_BYTES / (ms * 1e-3 / STAGES) / 1e12:.2f} TB/s)", flush=True)
     for kind in ("flag", "flag-ticket", "flag-one"):

@@ -12,13 +12,14 @@ one of the step's small kernels at the 27B's widths, which the next B reads:
   * `alone`: B reading the previous B's output itself: the floor each chain is held against.
 
 Prints µs a stage and each small kernel's cost (its chain's stage minus the floor at the same width).
-Usage (GPU): python3 scripts/device/small_kernel_probe.py [STAGES]"""
+Usage (GPU, from scripts/device): PYTHONPATH=$PWD/../.. python3 small_kernel_probe.py [STAGES]"""
 
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from device_timing import captured, replay_us
 
 from ninfer.kernels.activation_quant import Int8Activations, empty_records
 from ninfer.kernels.dependent_launch import launch_options
@@ -112,22 +113,8 @@ def main() -> None:
         width = HIDDEN if kind.startswith(("alone-5120", "norm")) else 2 * INTER
         start = torch.randn(1, width, device="cuda").to(torch.bfloat16)
         chain(kind, weights, start, norm_weight)  # compile
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            chain(kind, weights, start, norm_weight)
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(3):
-            graph.replay()
-        begin.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        us = begin.elapsed_time(end) * 1e3 / REPLAYS / STAGES
+        graph = captured(lambda k=kind, x=start: chain(k, weights, x, norm_weight))
+        us = replay_us(graph, REPLAYS) / STAGES
         floor = stage_us.get("alone-5120" if width == HIDDEN else "alone-34816")
         stage_us[kind] = us
         extra = f", the small kernel {us - floor:5.2f} us" if floor is not None and not kind.startswith("alone") else ""
