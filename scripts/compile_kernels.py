@@ -180,10 +180,6 @@ def _record_all() -> None:
         scales = torch.zeros(5, 64, kv_heads, head_dim // 64, dtype=torch.float16) if dtype != torch.bfloat16 else None
         paged_attention.write_kv(k, k, pages, pages.clone(), scales, None if scales is None else scales.clone(), table,
                                  torch.tensor([69, 4]))
-        paged_attention.qk_norm_rope_write_kv(query_key, torch.randn(head_dim), torch.randn(head_dim),
-                                              torch.tensor([69, 4]), heads, kv_heads, head_dim, 64, torch.rand(32),
-                                              1e-6, k, pages, pages.clone(), scales,
-                                              None if scales is None else scales.clone(), table)
         for batch in (2, 1):  # one split per sequence, and several (with the merge kernel)
             paged_attention.paged_attention_decode(q[:batch], pages, pages.clone(), scales, None if scales is None
                                                    else scales.clone(), table[:batch], lengths[:batch], 0.0625,

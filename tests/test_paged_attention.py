@@ -20,7 +20,6 @@ from ninfer.kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_reference,
     qk_norm_rope,
-    qk_norm_rope_write_kv,
     quantize_kv_reference,
     write_kv,
     write_kv_reference,
@@ -145,37 +144,6 @@ def test_write_kv_stores_what_the_reference_stores_and_nothing_else(kv_dtype):
             bound = E4M3_RELATIVE * x.abs() + E4M3_SUBNORMAL_HALF_STEP * scale
         assert (error <= bound).all(), f"{kv_dtype} round trip error {float((error - bound).max()):.2e} over bound"
     assert float(on_device[2].cpu()[pages[1], rows[1], 1, 1]) == 0.0, "an all-zero group has scale 0"
-
-
-@pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
-def test_qk_norm_rope_writing_the_pages_gives_the_bits_of_the_two_launches(kv_dtype):
-    # one launch (k straight into the pages) against qk_norm_rope then write_kv: the same q, the same pages
-    dtype = KV_DTYPES[kv_dtype]
-    batch, heads, kv_heads, head_dim, rotary_dim, page, num_pages, max_pages = 3, 4, 2, 128, 64, 16, 12, 3
-    generator = torch.Generator().manual_seed(7 + len(kv_dtype))
-    pools = [random_pool(dtype, num_pages, page, kv_heads, head_dim, generator) for _ in range(2)]
-    pools = [pools[0][0], pools[1][0], pools[0][1], pools[1][1]]  # keys, values, their scales (None for bf16)
-    table = scattered_table(batch, max_pages, num_pages, generator).to(DEVICE)
-    positions = torch.tensor([0, 17, 39], device=DEVICE)
-    activation = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    query_key = (torch.randn(batch, (heads + kv_heads) * head_dim, generator=generator) * 3).to(activation)
-    gate_value = torch.randn(batch, (heads + kv_heads) * head_dim, generator=generator).to(activation)
-    v = gate_value[:, heads * head_dim :].reshape(batch, kv_heads, head_dim).to(DEVICE)
-    norms = (torch.randn(head_dim, generator=generator).to(DEVICE) * 0.1, torch.randn(head_dim, generator=generator)
-             .to(DEVICE), positions, heads, kv_heads, head_dim, rotary_dim, inv_freq_of(rotary_dim, 1e6).to(DEVICE),
-             1e-6)
-    two = [t.clone().to(DEVICE) if t is not None else None for t in pools]
-    one = [t.clone().to(DEVICE) if t is not None else None for t in pools]
-    q_two, k = qk_norm_rope(query_key.to(DEVICE), *norms)
-    write_kv(k, v, *two, table, positions)
-    q_one = qk_norm_rope_write_kv(query_key.to(DEVICE), *norms, v, *one, table)
-    assert torch.equal(q_one, q_two)
-    for got, want in zip(one, two, strict=True):
-        if want is not None:
-            bits = torch.uint8 if want.dtype == torch.float8_e4m3fn else want.dtype
-            assert torch.equal(got.view(bits), want.view(bits)), "the pages differ from the two launches'"
-    with pytest.raises(ValueError, match="qk_norm_rope_write_kv"):
-        qk_norm_rope_write_kv(query_key.to(DEVICE), *norms, v[:2], *one, table)
 
 
 def paged_cache(dense: torch.Tensor, lengths: list[int], kv_dtype: torch.dtype, table: torch.Tensor, num_pages: int,

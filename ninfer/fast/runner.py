@@ -42,7 +42,7 @@ from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normali
 from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, gated_delta_decode
 from ninfer.kernels.l2_prefetch import L2Prefetch, prefetch_to_l2
 from ninfer.kernels.norm import rms_norm_gated
-from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, qk_norm_rope_write_kv, write_kv
+from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
 from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs
 from ninfer.kernels.rope import rope_inv_freq
 from ninfer.model.config import FULL_ATTENTION, TextConfig
@@ -559,16 +559,12 @@ class FastQwen35:
             gate_value = project(source, readers[1:])[0]
         self.branches.join()  # q|k, and the step's positions and block tables
         self._prefetch([prefix + "output"])
+        q, k = qk_norm_rope(query_key, self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"],
+                            positions, c.heads, c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
         v = gate_value[:, q_rows:].view(h.shape[0], c.kv_heads, c.head_dim)
         pools = (cache.key_pages[layer], cache.value_pages[layer], cache.key_scales.get(layer),
                  cache.value_scales.get(layer))
-        norms = (self.vectors[prefix + "query_norm"], self.vectors[prefix + "key_norm"], positions, c.heads,
-                 c.kv_heads, c.head_dim, c.rotary_dim, self.inv_freq, c.rms_eps)
-        if os.environ.get("NINFER_FUSED_KV_WRITE") == "0":
-            q, k = qk_norm_rope(query_key, *norms)
-            write_kv(k, v, *pools, tables, positions)
-        else:  # the new keys go into the pages from the kernel that makes them
-            q = qk_norm_rope_write_kv(query_key, *norms, v, *pools, tables)
+        write_kv(k, v, *pools, tables, positions)
         return q, gate_value[:, :q_rows], pools
 
     def _attention_decode(self, h: torch.Tensor, layer: int, positions: torch.Tensor, lengths: torch.Tensor,

@@ -176,14 +176,7 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(qk_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, stride_row,
-                             heads, kv_heads, eps, v_ptr, key_pages, value_pages, key_scales, value_scales, table_ptr,
-                             stride_vb, stride_vh, stride_table, stride_page, stride_slot_row, stride_head,
-                             scale_stride_page, scale_stride_row, scale_stride_head, HEAD_DIM: tl.constexpr,
-                             ROTARY: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr,
-                             CODE_MAX: tl.constexpr, PDL: tl.constexpr):
-        """Program (row b, head h: the q heads, then the k heads). With WRITE_KV a k head's program stores its
-        result into the pages, and v's head beside it, as `_write_kv_kernel` does, instead of into k."""
-        GROUPS: tl.constexpr = HEAD_DIM // 64
+                             heads, kv_heads, eps, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         d = tl.arange(0, HEAD_DIM)
@@ -200,8 +193,7 @@ if triton is not None:
         # what the kernel before does not write, read before waiting for it (`qk_norm_rope`: why)
         scale = 1.0 + tl.load(weight_ptr + d).to(tl.float32)
         scale_partner = 1.0 + tl.load(weight_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
-        position = tl.load(pos_ptr + b)
-        angle = position.to(tl.float32) * tl.load(inv_freq_ptr + d % half, mask=rotated, other=0.0)
+        angle = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + d % half, mask=rotated, other=0.0)
         angle = _reduce_angle(angle)
         wait_for_inputs(PDL)
         x = tl.load(row + d).to(tl.float32)
@@ -210,17 +202,7 @@ if triton is not None:
         x_partner = tl.load(row + partner, mask=rotated, other=0.0).to(tl.float32)
         y_partner = x_partner * rstd * scale_partner
         y_rot = y * tl.cos(angle) + tl.where(d < half, -y_partner, y_partner) * tl.sin(angle)
-        result = tl.where(rotated, y_rot, y).to(q_ptr.dtype.element_ty)
-        if WRITE_KV and h >= heads:
-            slot, scale_slot = _kv_slot(table_ptr, position, b, h - heads, stride_table, stride_page,
-                                        stride_slot_row, stride_head, scale_stride_page, scale_stride_row,
-                                        scale_stride_head, PAGE)
-            _store_head_values(tl.reshape(result, [GROUPS, 64]), key_pages + slot, key_scales + scale_slot, QUANT,
-                               CODE_MAX, GROUPS)
-            _store_head(v_ptr + b * stride_vb + (h - heads) * stride_vh, value_pages + slot, value_scales + scale_slot,
-                        QUANT, CODE_MAX, GROUPS)
-        else:
-            tl.store(out + d, result)
+        tl.store(out + d, tl.where(rotated, y_rot, y).to(q_ptr.dtype.element_ty))
 
 
 def qk_norm_rope(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: Tensor, heads: int, kv_heads: int,
@@ -243,26 +225,6 @@ def qk_norm_rope(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: T
     (`kernels.dependent_launch`'s rule): no kernel writes the first two, and a caller must not write `positions` with
     a PDL kernel launched right before this function (the runner's is a projection GEMV).
     """
-    q, k = _qk_norm_rope(query_key, q_norm, k_norm, positions, heads, kv_heads, head_dim, rotary_dim, inv_freq, eps)
-    return q, k
-
-
-def qk_norm_rope_write_kv(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: Tensor, heads: int,
-                          kv_heads: int, head_dim: int, rotary_dim: int, inv_freq: Tensor, eps: float, v: Tensor,
-                          key_pages: Tensor, value_pages: Tensor, key_scales: Tensor | None,
-                          value_scales: Tensor | None, block_table: Tensor) -> Tensor:
-    """`qk_norm_rope`, then `write_kv` of its k and of v into the pages, in one launch (a launch fewer in each
-    attention layer's chain): returns q; the pages get the bits the two calls give them (each k rounded to
-    query_key's dtype first). Arguments as those two functions'; positions also place the new rows."""
-    q, _ = _qk_norm_rope(query_key, q_norm, k_norm, positions, heads, kv_heads, head_dim, rotary_dim, inv_freq, eps,
-                         (v, key_pages, value_pages, key_scales, value_scales, block_table))
-    return q
-
-
-def _qk_norm_rope(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: Tensor, heads: int, kv_heads: int,
-                  head_dim: int, rotary_dim: int, inv_freq: Tensor, eps: float,
-                  kv: tuple | None = None) -> tuple[Tensor, Tensor | None]:
-    """`qk_norm_rope`, or with kv (v, the pools, their scales, the block table) `qk_norm_rope_write_kv` (k None)."""
     if triton is None:
         raise RuntimeError("qk_norm_rope needs the triton package")
     batch = query_key.shape[0]
@@ -279,20 +241,10 @@ def _qk_norm_rope(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: 
         raise ValueError(f"qk_norm_rope: inv_freq {list(inv_freq.shape)} or positions {list(positions.shape)} does "
                          f"not fit rotary_dim {rotary_dim}, B {batch}")
     q = torch.empty((batch, heads, head_dim), dtype=query_key.dtype, device=query_key.device)
-    if kv is None:
-        k = torch.empty((batch, kv_heads, head_dim), dtype=query_key.dtype, device=query_key.device)
-        destination = {"v_ptr": q, "key_pages": q, "value_pages": q, "key_scales": q, "value_scales": q,
-                       "table_ptr": positions, "stride_vb": 0, "stride_vh": 0, "stride_table": 0, "stride_page": 0,
-                       "stride_slot_row": 0, "stride_head": 0, "scale_stride_page": 0, "scale_stride_row": 0,
-                       "scale_stride_head": 0, "PAGE": 1, "QUANT": 0, "CODE_MAX": 0.0}
-    else:
-        k = None
-        destination = _kv_destination("qk_norm_rope_write_kv", (batch, kv_heads, head_dim), *kv, positions)
+    k = torch.empty((batch, kv_heads, head_dim), dtype=query_key.dtype, device=query_key.device)
     _qk_norm_rope_kernel[(batch, heads + kv_heads)](
-        qk_ptr=query_key, q_norm_ptr=q_norm, k_norm_ptr=k_norm, pos_ptr=positions,
-        inv_freq_ptr=inv_freq.float().contiguous(), q_ptr=q, k_ptr=q if k is None else k,
-        stride_row=query_key.stride(0), heads=heads, kv_heads=kv_heads, eps=eps, HEAD_DIM=head_dim, ROTARY=rotary_dim,
-        WRITE_KV=kv is not None, num_warps=2, **destination, **launch_options(query_key.device))
+        query_key, q_norm, k_norm, positions, inv_freq.float().contiguous(), q, k, query_key.stride(0), heads,
+        kv_heads, eps, HEAD_DIM=head_dim, ROTARY=rotary_dim, num_warps=2, **launch_options(query_key.device))
     return q, k
 
 
@@ -316,26 +268,13 @@ if triton is not None:
         return m, tl.maximum(e, 1)
 
     @triton.jit
-    def _kv_slot(table_ptr, position, b, head, stride_table, stride_page, stride_row, stride_head, scale_stride_page,
-                 scale_stride_row, scale_stride_head, PAGE: tl.constexpr):
-        """The offsets of (row b's position, kv head `head`) in a pool and in its scales, from b's block table."""
-        page = tl.load(table_ptr + b * stride_table + position // PAGE).to(tl.int64)
-        row = position % PAGE
-        return (page * stride_page + row * stride_row + head * stride_head,
-                page * scale_stride_page + row * scale_stride_row + head * scale_stride_head)
-
-    @triton.jit
     def _store_head(src, pages, scales, QUANT: tl.constexpr, CODE_MAX: tl.constexpr, GROUPS: tl.constexpr):
-        """Store the head vector at `src` at `pages` (`_store_head_values`)."""
-        offs = tl.arange(0, GROUPS)[:, None] * 64 + tl.arange(0, 64)[None, :]
-        _store_head_values(tl.load(src + offs), pages, scales, QUANT, CODE_MAX, GROUPS)
-
-    @triton.jit
-    def _store_head_values(x, pages, scales, QUANT: tl.constexpr, CODE_MAX: tl.constexpr, GROUPS: tl.constexpr):
-        """Store one head vector x `[GROUPS, 64]` at `pages` (its row of the pool), quantised per 64 dims when QUANT;
-        integer rounding so that the interpreter and the GPU give the bits of `quantize_kv_reference`."""
+        """Store one head vector at `pages` (its row of the pool), quantised per 64 dims when QUANT; integer
+        rounding so that the interpreter and the GPU give the bits of `quantize_kv_reference`."""
         g = tl.arange(0, GROUPS)
-        offs = g[:, None] * 64 + tl.arange(0, 64)[None, :]
+        lanes = tl.arange(0, 64)
+        offs = g[:, None] * 64 + lanes[None, :]
+        x = tl.load(src + offs)
         if QUANT == 0:
             tl.store(pages + offs, x.to(pages.dtype.element_ty))
         else:
@@ -357,16 +296,18 @@ if triton is not None:
 
     @triton.jit
     def _write_kv_kernel(k_ptr, v_ptr, key_pages, value_pages, key_scales, value_scales, table_ptr, pos_ptr,
-                         stride_kb, stride_kh, stride_vb, stride_vh, stride_table, stride_page, stride_slot_row,
+                         stride_kb, stride_kh, stride_vb, stride_vh, stride_table, stride_page, stride_row,
                          stride_head, scale_stride_page, scale_stride_row, scale_stride_head,
                          PAGE: tl.constexpr, GROUPS: tl.constexpr, QUANT: tl.constexpr, CODE_MAX: tl.constexpr,
                          PDL: tl.constexpr):
         wait_for_inputs(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
-        slot, scale_slot = _kv_slot(table_ptr, tl.load(pos_ptr + b), b, h, stride_table, stride_page,
-                                    stride_slot_row, stride_head, scale_stride_page, scale_stride_row,
-                                    scale_stride_head, PAGE)
+        position = tl.load(pos_ptr + b)
+        page = tl.load(table_ptr + b * stride_table + position // PAGE).to(tl.int64)
+        row = position % PAGE
+        slot = page * stride_page + row * stride_row + h * stride_head
+        scale_slot = page * scale_stride_page + row * scale_stride_row + h * scale_stride_head
         _store_head(k_ptr + b * stride_kb + h * stride_kh, key_pages + slot, key_scales + scale_slot, QUANT,
                     CODE_MAX, GROUPS)
         _store_head(v_ptr + b * stride_vb + h * stride_vh, value_pages + slot, value_scales + scale_slot, QUANT,
@@ -384,39 +325,23 @@ def write_kv(k: Tensor, v: Tensor, key_pages: Tensor, value_pages: Tensor, key_s
     """
     if triton is None:
         raise RuntimeError("write_kv needs the triton package")
-    batch, kv_heads, head_dim = k.shape
-    if k.stride(2) != 1:
-        raise ValueError(f"write_kv: k {list(k.shape)} needs stride 1 along hd")
-    destination = _kv_destination("write_kv", k.shape, v, key_pages, value_pages, key_scales, value_scales,
-                                  block_table, positions)
-    _write_kv_kernel[(batch, kv_heads)](k_ptr=k, pos_ptr=positions, stride_kb=k.stride(0), stride_kh=k.stride(1),
-                                        GROUPS=head_dim // SCALE_GROUP, num_warps=2, **destination,
-                                        **launch_options(k.device))
-
-
-def _kv_destination(name: str, shape: torch.Size, v: Tensor, key_pages: Tensor, value_pages: Tensor,
-                    key_scales: Tensor | None, value_scales: Tensor | None, block_table: Tensor,
-                    positions: Tensor) -> dict:
-    """The launch arguments, by name, of where new keys `[B, kvh, hd]` (`shape`) and the values v go: the pools,
-    their scales, the block table and v; checked against `shape`."""
     mode = _cache_mode(key_pages, value_pages, key_scales, value_scales)
-    batch, kv_heads, head_dim = shape
-    if v.shape != shape or key_pages.shape[2:] != (kv_heads, head_dim) or v.stride(2) != 1:
-        raise ValueError(f"{name}: k {list(shape)} and v {list(v.shape)} (stride 1 last) must be [B, kvh, hd] of the "
-                         f"pages {list(key_pages.shape)}")
+    batch, kv_heads, head_dim = k.shape
+    if v.shape != k.shape or key_pages.shape[2:] != (kv_heads, head_dim) or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"write_kv: k {list(k.shape)} and v {list(v.shape)} (stride 1 last) must be [B, kvh, hd] "
+                         f"of the pages {list(key_pages.shape)}")
     if block_table.shape[0] != batch or positions.shape != (batch,):
-        raise ValueError(f"{name}: block_table {list(block_table.shape)} and positions {list(positions.shape)} "
+        raise ValueError(f"write_kv: block_table {list(block_table.shape)} and positions {list(positions.shape)} "
                          f"must have B = {batch} rows")
+    pages = key_pages.view(torch.uint8) if mode == 2 else key_pages  # e4m3 bits are composed in the kernel
+    value_pool = value_pages.view(torch.uint8) if mode == 2 else value_pages
     scales = (key_scales, value_scales) if mode else (key_pages, value_pages)  # unused pointers when float pages
-    page_stride, row_stride, head_stride = key_pages.stride()[:3]
     scale_strides = key_scales.stride()[:3] if mode else (0, 0, 0)
-    return {"v_ptr": v, "key_pages": key_pages.view(torch.uint8) if mode == 2 else key_pages,  # e4m3 bits composed
-            "value_pages": value_pages.view(torch.uint8) if mode == 2 else value_pages,  # in the kernel
-            "key_scales": scales[0], "value_scales": scales[1], "table_ptr": block_table, "stride_vb": v.stride(0),
-            "stride_vh": v.stride(1), "stride_table": block_table.stride(0), "stride_page": page_stride,
-            "stride_slot_row": row_stride, "stride_head": head_stride, "scale_stride_page": scale_strides[0],
-            "scale_stride_row": scale_strides[1], "scale_stride_head": scale_strides[2], "PAGE": key_pages.shape[1],
-            "QUANT": mode, "CODE_MAX": CODE_MAX.get(key_pages.dtype, 0.0)}
+    _write_kv_kernel[(batch, kv_heads)](
+        k, v, pages, value_pool, *scales, block_table, positions, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), block_table.stride(0), *key_pages.stride()[:3], *scale_strides, PAGE=key_pages.shape[1],
+        GROUPS=head_dim // SCALE_GROUP, QUANT=mode, CODE_MAX=CODE_MAX.get(key_pages.dtype, 0.0), num_warps=2,
+        **launch_options(k.device))
 
 
 if triton is not None:
