@@ -50,8 +50,7 @@ def _b_kernel(w_ptr, x_ptr, X, out_ptr, N, WORDS: tl.constexpr, VALS: tl.constex
 def _b(weights: torch.Tensor, x: torch.Tensor, n: int, vals: int) -> torch.Tensor:
     out = torch.empty((1, n), dtype=torch.bfloat16, device="cuda")
     programs = triton.cdiv(n, vals)
-    _b_kernel[(programs,)](weights, x, x.numel(), out, n, WORDS=WORDS, VALS=vals,
-                           launch_pdl=True)
+    _b_kernel[(programs,)](weights, x, x.numel(), out, n, WORDS=WORDS, VALS=vals, launch_pdl=True)
     return out
 
 
