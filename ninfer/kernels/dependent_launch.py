@@ -20,9 +20,10 @@ there the kernels run as before.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from ninfer import flags
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -35,7 +36,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA (not ROCm) at compute capability 9.0 or newer, not under
     the Triton interpreter, and not switched off with NINFER_PDL=0."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NINFER_PDL") == "0":
+    if flags.triton_interpreted() or not flags.PDL.get():
         return False
     device = torch.device(device)
     return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)

@@ -17,10 +17,9 @@ line numbers it would issue instead: tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ninfer import flags
 from ninfer.quant import codec_for
 
 try:  # Triton is optional: the CPU path never needs it
@@ -55,8 +54,7 @@ class L2Prefetch:
         device = matrices[0][0].device
         self.ranges = torch.tensor(ranges, dtype=torch.int64, device=device)
         self.bytes = sum(length for _, length in ranges)
-        self.asm = (device.type == "cuda" and torch.version.hip is None
-                    and os.environ.get("TRITON_INTERPRET") != "1")
+        self.asm = device.type == "cuda" and torch.version.hip is None and not flags.triton_interpreted()
 
 
 def _row_planes(data: torch.Tensor, shape: tuple[int, int], fmt: str) -> list[tuple[int, int]]:

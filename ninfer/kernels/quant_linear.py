@@ -36,10 +36,9 @@ Runs under TRITON_INTERPRET=1 (fp32 inputs there: the interpreter miscomputes bf
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ninfer import flags
 from ninfer.kernels.activation_quant import (
     Int8Activations,
     dequantize_activations,
@@ -63,7 +62,7 @@ MAX_GEMV_TOKENS = 64  # decode and verify steps of up to this many rows take the
 BATCH_TOKENS = 8
 BATCH_BLOCK_K = 1024
 # the interpreter runs programs one after another and vectorises within one: few wide programs are far faster there
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = flags.triton_interpreted()
 # dp4a / prmt as inline PTX on NVIDIA GPUs; integer-op emulation under the interpreter and on other backends
 ASM = not INTERPRETED and torch.version.hip is None
 

@@ -42,11 +42,11 @@ device); the one-token kernel, the dequantizer and the quantizer also run under 
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
+from ninfer import flags
 from ninfer.kernels.activation_quant import padded_lanes, quantize_activations_reference
 from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 from ninfer.quant import codec_for
@@ -85,7 +85,7 @@ def stripes_fit(shape: tuple[int, int], fmt: str, device: torch.device) -> bool:
     MIN_K, on a CUDA GPU of compute capability 8.0 or newer (int8 `mma`) with Triton, and not switched off with
     NINFER_STRIPES=0."""
     device = torch.device(device)
-    if fmt != FORMAT or shape[0] % STRIPE_ROWS or shape[1] < MIN_K or os.environ.get("NINFER_STRIPES") == "0":
+    if fmt != FORMAT or shape[0] % STRIPE_ROWS or shape[1] < MIN_K or not flags.STRIPES.get():
         return False
     if triton is None or device.type != "cuda" or torch.version.hip is not None:
         return False
@@ -198,7 +198,7 @@ def stripe_gemv_reference(x: TileActivations, chunks: torch.Tensor, shape: tuple
 
 
 if triton is not None:
-    ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+    ASM = tl.constexpr(not flags.triton_interpreted())
 
     @triton.jit
     def store_tiles(x, tiles_ptr, row, blocks, block_count):
