@@ -7,7 +7,7 @@
 #   AB_NEW_FLAGS (environment): bench flags for the new tree's runs only; with OLD_TREE "." it compares one tree
 #   with and without them (e.g. AB_NEW_FLAGS="--state-dtype bf16").
 # The old tree starts from its own folder: `python3 -m` puts the current directory first on sys.path, so naming it
-# in PYTHONPATH alone would run the new code twice (docs/performance.md, ninth session).
+# in PYTHONPATH alone would run the new code twice (docs/optimizations.md, measurement rows).
 set -uo pipefail
 old=$(realpath "$1"); rounds=$2; shift 2
 export PYTHONUNBUFFERED=1

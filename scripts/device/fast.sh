@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# On the GPU machine: the fast path's GPU tests, then `ninfer bench` on synthetic presets.
-# Usage: bash scripts/device/fast.sh [tests | tests=FILE,FILE | profile=PRESET | PRESET:RECIPE:BENCH-FLAGS ...]
-#   e.g. bash scripts/device/fast.sh tests "qwen3.8-27b:q4:-p 512 -n 64 -b 1,8"
-# Each bench job's output also goes to $OUT/bench-N-PRESET-RECIPE.log (N: the job's place in the arguments).
+# On the GPU machine: the GPU tests, then `ninfer bench` on synthetic presets.
+# Usage: bash scripts/device/fast.sh [tests | tests=PATH,PATH | PRESET:RECIPE:BENCH-FLAGS ...]
+#   tests: every test marked `gpu` (`python3 -m pytest -q -m gpu tests`, WORKERS processes, default 8: the tests
+#   share the GPU); tests=PATHS: the `gpu`-marked tests under those paths only.
+#   PRESET:RECIPE:BENCH-FLAGS: `ninfer bench` of a synthetic artifact (made once per machine by `common.sh`).
+#   e.g. bash scripts/device/fast.sh tests "qwen3.8-27b:q4:-p 128 -n 24 -b 1,8"
+# Each job's output also goes to $OUT (tests-N.log, bench-N-PRESET-RECIPE.log; N: the job's place in the arguments).
 # Wheels in .whl (fla-core etc.) are installed to /tmp/site first when present (`common.sh`).
 set -uo pipefail
 source scripts/device/common.sh
@@ -13,20 +16,14 @@ index=0
 for job in "$@"; do
   index=$((index + 1))
   case "$job" in
-    tests) files="tests/test_fast_runner_gpu.py tests/test_fast_runner.py tests/test_paged_attention_gpu.py
-                  tests/test_paged_attention.py tests/test_gdn_decode_gpu.py tests/test_gdn_decode.py
-                  tests/test_quant_linear_gpu.py tests/test_quant_linear.py tests/test_fp8_linear.py tests/test_fused.py
-                  tests/test_dense_linear.py tests/test_stripe_linear_gpu.py tests/test_stripe_linear.py
-                  tests/test_model_gpu.py tests/test_engine_gpu.py" ;;
-    tests=*) files="${job#tests=}"; files="${files//,/ }" ;;
-    profile=*) python3 scripts/device/profile_step.py "${job#profile=}" 2>&1 | tee "$OUT/profile-${job#profile=}.log"
-               continue ;;
-    *) files="" ;;
+    tests) paths="tests" ;;
+    tests=*) paths="${job#tests=}"; paths="${paths//,/ }" ;;
+    *) paths="" ;;
   esac
-  if [ -n "$files" ]; then  # GPU-marked tests plus the kernel tests that pick CUDA by themselves
+  if [ -n "$paths" ]; then
     # shellcheck disable=SC2086
-    python3 -m pytest -q -rP -m "gpu or not gpu" $files 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|FAILED|Error" \
-      | head -40
+    python3 -m pytest -q -n "${WORKERS:-8}" -m gpu $paths 2>&1 | tee "$OUT/tests-$index.log" \
+      | grep -E "passed|failed|FAILED|Error" | head -40
     continue
   fi
   IFS=: read -r preset recipe flags <<<"$job"

