@@ -42,47 +42,28 @@ count_tokens takes the same conversation fields and returns `{"input_tokens": N}
 
 from __future__ import annotations
 
-import contextlib
-import json
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field
+from starlette.concurrency import run_in_threadpool
 
-from ninfer.engine.scheduler import Finished, Request, Result
+from ninfer.engine import Request, Result
 from ninfer.frontend import ToolCall
-from ninfer.serve.common import (
-    APIError,
-    ClientDisconnected,
-    EventStreamResponse,
-    LenientModel,
-    OrderedParts,
-    ServerState,
-    StreamEvents,
-    StrictModel,
-    anthropic_error_body,
-    check_context,
-    disconnected_response,
-    engine_events,
-    function_tool_json,
-    generate,
-    history_uses_tools,
-    new_id,
-    parse_body,
-    parse_tagged,
-    prompt_ids,
-    record_of,
-    record_result,
-    sampling_params,
-    sse_event,
-    stream_error,
-)
+from ninfer.serve.answer import Answer, OrderedParts, StreamEvents, new_id, respond
+from ninfer.serve.conversation import Conversation, Sampling, engine_request, prompt_ids, with_system
+from ninfer.serve.errors import APIError, anthropic_error_body
+from ninfer.serve.request_log import record_of
+from ninfer.serve.schema import LenientModel, StrictModel, parse_body, parse_tagged
+from ninfer.serve.sse import sse_event
+from ninfer.serve.state import ServerState
+from ninfer.serve.tools import FunctionTool, arguments_json, template_call, tools_by_name
 
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
-BLOCK_SEPARATOR = "\n\n"  # between the text blocks of one turn, and between folded system texts
+BLOCK_SEPARATOR = "\n\n"  # between the text blocks of one turn
 
 # ---------------------------------------------------------------------------------------------------------------
 # request schema
@@ -272,8 +253,7 @@ def _assistant_turn(blocks: Located) -> dict[str, Any]:
         elif isinstance(block, ThinkingBlock):
             reasoning.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
-            calls.append({"id": block.id, "type": "function",
-                          "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+            calls.append(template_call(block.id, block.name, arguments_json(block.input)))
         elif not isinstance(block, RedactedThinkingBlock):
             raise _refuse_block(block, where, "assistant")
     turn: dict[str, Any] = {"role": "assistant", "content": BLOCK_SEPARATOR.join(texts)}
@@ -309,37 +289,35 @@ def template_messages(body: ConversationRequest) -> tuple[list[dict[str, Any]], 
             raise APIError(400, f"{param}: the conversation ends with a tool_use; send its tool_result in a "
                                 "following user message", param=param)
         prefill = last["content"]
-    if system:
-        rendered.insert(0, {"role": "system", "content": BLOCK_SEPARATOR.join(system)})
-    return rendered, prefill
+    return with_system(system, rendered), prefill
 
 
-def template_tools(body: ConversationRequest) -> list[dict[str, Any]] | None:
-    """The tools to render as OpenAI function JSON: none for tool_choice none, only the named one for tool, else
-    all. 400 for server tools, duplicate names, a missing input_schema, or a choice that names no given tool."""
-    tools = body.tools or []
-    names = []
-    for index, tool in enumerate(tools):
-        if tool.type not in (None, "custom"):
-            raise APIError(400, f"tools[{index}].type: server tool {tool.type!r} is not supported; give client "
-                                "tools ({name, description, input_schema})", param=f"tools[{index}].type")
-        if tool.input_schema is None:
-            raise APIError(400, f"tools[{index}].input_schema: field required", code="missing_required_parameter",
-                           param=f"tools[{index}].input_schema")
-        if tool.name in names:
-            raise APIError(400, f"tools[{index}].name: {tool.name!r} is defined twice", param=f"tools[{index}].name")
-        names.append(tool.name)
+def template_tools(body: ConversationRequest) -> list[FunctionTool] | None:
+    """The tools to render: none for tool_choice none, only the named one for tool, else all. 400 for server
+    tools, a missing input_schema, duplicate names, or a choice that names no given tool."""
+
+    def client_tools() -> Iterator[FunctionTool]:
+        for index, tool in enumerate(body.tools or []):
+            if tool.type not in (None, "custom"):
+                raise APIError(400, f"tools[{index}].type: server tool {tool.type!r} is not supported; give client "
+                                    "tools ({name, description, input_schema})", param=f"tools[{index}].type")
+            if tool.input_schema is None:
+                raise APIError(400, f"tools[{index}].input_schema: field required",
+                               code="missing_required_parameter", param=f"tools[{index}].input_schema")
+            yield FunctionTool(tool.name, tool.description, tool.input_schema)
+
+    by_name = tools_by_name(client_tools(), "tools[{}].name", code=None)
     choice = body.tool_choice
-    if choice is not None and choice.type in ("any", "tool") and not tools:
+    if choice is not None and choice.type in ("any", "tool") and not by_name:
         raise APIError(400, f"tool_choice.type: {choice.type!r} requires tools", param="tool_choice.type")
     if choice is not None and choice.type == "none":
         return None
     if choice is not None and choice.type == "tool":
-        if choice.name not in names:
+        if choice.name not in by_name:
             raise APIError(400, f"tool_choice.name: {choice.name!r} is not among the tools",
                            param="tool_choice.name")
-        tools = [tools[names.index(choice.name)]]
-    return [function_tool_json(tool.name, tool.description, tool.input_schema) for tool in tools] or None
+        return [by_name[choice.name]]
+    return list(by_name.values()) or None
 
 
 def thinking_of(body: ConversationRequest, default: bool, prefill: str | None) -> bool:
@@ -354,19 +332,12 @@ def thinking_of(body: ConversationRequest, default: bool, prefill: str | None) -
     return thinking
 
 
-class Conversation:
-    """A request's prompt: token ids, thinking, rendered tools and whether tool calls are parsed."""
-
-    def __init__(self, state: ServerState, body: ConversationRequest):
-        check_supported(body)
-        messages, prefill = template_messages(body)
-        self.thinking = thinking_of(body, state.config.default_thinking, prefill)
-        tools = template_tools(body)
-        self.tools_enabled = bool(tools) or history_uses_tools(messages)
-        ids = prompt_ids(state, messages, tools=tools, thinking=self.thinking, limit=False)
-        if prefill:
-            ids += state.llm.tokenizer.encode(prefill)
-        self.ids = ids
+def read_request(body: ConversationRequest, default_thinking: bool) -> Conversation:
+    """The Conversation of a validated request (its prefill included)."""
+    check_supported(body)
+    messages, prefill = template_messages(body)
+    thinking = thinking_of(body, default_thinking, prefill)
+    return Conversation(messages, template_tools(body), thinking, prefill=prefill)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -417,7 +388,7 @@ class ContentBlocks(OrderedParts):
         events = self._start(block)
         block["input"] = call.arguments
         index = len(self.blocks) - 1
-        arguments = json.dumps(call.arguments, ensure_ascii=False)
+        arguments = arguments_json(call.arguments)
         return [*events, ("content_block_delta", {"type": "content_block_delta", "index": index,
                                                   "delta": {"type": "input_json_delta", "partial_json": arguments}}),
                 ("content_block_stop", {"type": "content_block_stop", "index": index})]
@@ -428,61 +399,49 @@ class ContentBlocks(OrderedParts):
                                          "content_block": dict(block)})]
 
 
-class _Exchange:
-    """One /v1/messages request in flight: its ids and the wire formatting of its answer."""
+class MessageAnswer(Answer):
+    """One message: a `message` object, or Anthropic's stream events from message_start to message_stop."""
 
-    def __init__(self, state: ServerState, body: MessagesRequest):
-        self.state = state
+    def __init__(self, body: MessagesRequest, request: Request):
         self.body = body
-        self.id = new_id("msg_")
-        self.single_tool_call = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
+        self.id = request.request_id
+        self.what = f"message {self.id}"
+        self.prompt_tokens = len(request.prompt_ids)
+        self.blocks = ContentBlocks(bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use))
 
-    def message(self, content: list[dict[str, Any]], result: Result | None, tool_calls: int,
-                prompt_tokens: int) -> dict[str, Any]:
+    def message(self, content: list[dict[str, Any]], result: Result | None, tool_calls: int) -> dict[str, Any]:
         """The message object: whole (with `result`) or as message_start announces it (result None)."""
         done = result is not None
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.body.model, "content": content,
                 "stop_reason": stop_reason(result, tool_calls) if done else None,
                 "stop_sequence": result.stop_string if done and not tool_calls else None,
                 "usage": usage_json(result) if done else {
-                    "input_tokens": prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                    "input_tokens": self.prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
                     "cache_read_input_tokens": 0}}
 
-    async def answer(self, http_request: HTTPRequest, request: Request) -> dict[str, Any]:
-        """The whole message, built from the same events as the stream (so both have the same content).
-        Raises the APIErrors of `engine_events`, or ClientDisconnected (the request is cancelled then)."""
-        blocks = ContentBlocks(self.single_tool_call)
-        result = await generate(self.state, http_request, request, blocks.feed)
-        return self.message(blocks.blocks or [{"type": "text", "text": ""}], result, blocks.tool_calls,
-                            result.prompt_tokens)
+    def collect(self, event: Any) -> None:
+        self.blocks.feed(event)
 
-    async def stream(self, http_request: HTTPRequest, request: Request) -> AsyncIterator[bytes]:
-        """The SSE events. Refusals before the engine's first event propagate (EventStreamResponse answers them
-        with their status); later errors become an `error` event that ends the stream."""
-        blocks = ContentBlocks(self.single_tool_call)
-        async with contextlib.aclosing(engine_events(self.state, request)) as events:
-            event = await anext(events)
-            start = self.message([], None, 0, len(request.prompt_ids))
-            yield sse_event("message_start", {"type": "message_start", "message": start})
-            yield sse_event("ping", {"type": "ping"})
-            try:
-                while not isinstance(event, Finished):
-                    for name, payload in blocks.feed(event):
-                        yield sse_event(name, payload)
-                    event = await anext(events)
-            except Exception as exc:
-                yield sse_event("error", anthropic_error_body(stream_error(http_request, exc, f"message {self.id}")))
-                return
-        result = event.completion
-        record_result(http_request, result)
-        for name, payload in blocks.close():
-            yield sse_event(name, payload)
-        final = self.message([], result, blocks.tool_calls, result.prompt_tokens)
-        yield sse_event("message_delta", {
+    def whole(self, result: Result) -> dict[str, Any]:
+        return self.message(self.blocks.blocks or [{"type": "text", "text": ""}], result, self.blocks.tool_calls)
+
+    def opening(self) -> list[bytes]:
+        return [sse_event("message_start", {"type": "message_start", "message": self.message([], None, 0)}),
+                sse_event("ping", {"type": "ping"})]
+
+    def chunks(self, event: Any) -> list[bytes]:
+        return [sse_event(name, payload) for name, payload in self.blocks.feed(event)]
+
+    def failure(self, error: APIError) -> list[bytes]:
+        return [sse_event("error", anthropic_error_body(error))]
+
+    def closing(self, result: Result) -> list[bytes]:
+        closing = [sse_event(name, payload) for name, payload in self.blocks.close()]
+        final = self.message([], result, self.blocks.tool_calls)
+        return [*closing, sse_event("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]},
-            "usage": final["usage"]})
-        yield sse_event("message_stop", {"type": "message_stop"})
+            "usage": final["usage"]}), sse_event("message_stop", {"type": "message_stop"})]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -490,16 +449,12 @@ class _Exchange:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def build_request(state: ServerState, body: MessagesRequest, request_id: str) -> tuple[Request, Conversation]:
+def build_request(state: ServerState, body: MessagesRequest, request_id: str) -> Request:
     """The engine request of a validated Messages request (prompt rendered and tokenized, sampling resolved)."""
-    conversation = Conversation(state, body)
-    check_context(state, len(conversation.ids))
-    params = sampling_params(state, prompt_tokens=len(conversation.ids), max_tokens=body.max_tokens,
-                             stop=body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
-                             top_k=body.top_k)
-    request = Request(conversation.ids, params, thinking=conversation.thinking,
-                      tools_enabled=conversation.tools_enabled, request_id=request_id)
-    return request, conversation
+    conversation = read_request(body, state.config.default_thinking)
+    sampling = Sampling(max_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
+                        top_p=body.top_p, top_k=body.top_k)
+    return engine_request(state, conversation, sampling, request_id)
 
 
 def router(state: ServerState) -> APIRouter:
@@ -509,21 +464,17 @@ def router(state: ServerState) -> APIRouter:
     @routes.post("/v1/messages")
     async def messages(http_request: HTTPRequest) -> Response:
         body = await parse_body(http_request, MessagesRequest)
-        exchange = _Exchange(state, body)
+        message_id = new_id("msg_")
         record = record_of(http_request)
-        record.update(id=exchange.id, stream=bool(body.stream))
-        request, conversation = build_request(state, body, exchange.id)
-        record.update(thinking=conversation.thinking)
-        if body.stream:
-            return EventStreamResponse(exchange.stream(http_request, request))
-        try:
-            return JSONResponse(await exchange.answer(http_request, request))
-        except ClientDisconnected:
-            return disconnected_response(http_request)
+        record.update(id=message_id, stream=bool(body.stream))
+        request = await run_in_threadpool(build_request, state, body, message_id)
+        record.update(thinking=request.thinking)
+        return await respond(state, http_request, request, MessageAnswer(body, request), stream=bool(body.stream))
 
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(http_request: HTTPRequest) -> dict[str, int]:
         body = await parse_body(http_request, ConversationRequest)
-        return {"input_tokens": len(Conversation(state, body).ids)}
+        return {"input_tokens": len(prompt_ids(state, read_request(body, state.config.default_thinking),
+                                               limit=False))}
 
     return routes

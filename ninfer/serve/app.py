@@ -14,8 +14,9 @@ routers of the OpenAI Chat Completions, Responses and Anthropic Messages modules
 4. The body limit: 413 request_too_large when Content-Length or the bytes actually received exceed
    `max_body_bytes`, before any JSON parsing.
 
-Errors are answered in the shape of the API the path belongs to (see `ninfer.serve.common.error_body`). The engine
-belongs to the caller, who starts it before serving and closes it afterwards.
+Errors are answered in the shape of the API the path belongs to (see `ninfer.serve.errors.error_body`). The engine
+belongs to the caller, who starts it before serving and closes it afterwards. `ServeConfig` is defined in
+`ninfer.serve.state`, beside the state the routes share.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
@@ -41,45 +40,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import ninfer
-from ninfer.engine.scheduler import Engine
+from ninfer.engine import Engine
 from ninfer.serve import anthropic_messages, openai_chat, responses
-from ninfer.serve.common import (
-    RECORD_KEY,
-    APIError,
-    RequestLog,
-    ServerState,
-    StrictModel,
-    check_model,
-    error_response,
-    internal_error,
-    parse_body,
-    prompt_ids,
-)
+from ninfer.serve.conversation import Conversation, prompt_ids, resolve_thinking
+from ninfer.serve.errors import APIError, error_response, internal_error
+from ninfer.serve.request_log import RequestLog, record_error, scope_record
+from ninfer.serve.schema import StrictModel, parse_body
+from ninfer.serve.state import MiB, ServeConfig, ServerState, check_model
 
-MiB = 1 << 20
-# every request-log line has these keys (None when they do not apply), in this order
-LOG_FIELDS = ("time", "id", "method", "endpoint", "status", "stream", "thinking", "prompt_tokens",
-              "completion_tokens", "cached_tokens", "queue_seconds", "prefill_seconds", "decode_seconds",
-              "total_seconds", "finish_reason", "tool_calls", "error_code", "error_type")
 UNLOGGED_PATHS = ("/health",)
 
 log = logging.getLogger("ninfer.serve")
-
-
-@dataclass
-class ServeConfig:
-    """model_id: the id clients name (`model`); api_key: required on every route but /health when set;
-    max_body_bytes: largest request body; default_max_tokens: output budget when a request sets none;
-    cors: allow browsers from any origin; request_log: JSONL file to append one line per request to;
-    default_thinking: thinking on for requests that do not say."""
-
-    model_id: str
-    api_key: str | None = None
-    max_body_bytes: int = 8 * MiB
-    default_max_tokens: int = 1024
-    cors: bool = False
-    request_log: str | Path | None = None
-    default_thinking: bool = True
 
 
 def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
@@ -98,8 +69,7 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
 
     async def api_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        request.scope.setdefault("state", {}).setdefault(RECORD_KEY, {}).update(error_code=exc.code,
-                                                                                error_type=exc.type)
+        record_error(request.scope, exc)
         return error_response(request.url.path, exc)
 
     async def http_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
@@ -191,10 +161,10 @@ def _plain_routes(state: ServerState) -> APIRouter:
                 raise APIError(400, f"{param} applies to messages, not to text", code="invalid_value", param=param)
             tokens = await run_in_threadpool(state.llm.tokenizer.encode, body.text)
         else:
-            thinking = state.config.default_thinking if body.enable_thinking is None else body.enable_thinking
+            thinking = resolve_thinking(state.config.default_thinking, ("enable_thinking", body.enable_thinking))
             tools = openai_chat.template_tools(body.tools, None)
-            messages = openai_chat.template_messages(body.messages or [])
-            tokens = await run_in_threadpool(prompt_ids, state, messages, tools=tools, thinking=thinking, limit=False)
+            conversation = Conversation(openai_chat.template_messages(body.messages or []), tools, thinking)
+            tokens = await run_in_threadpool(prompt_ids, state, conversation, limit=False)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.llm.max_context}
 
     @routes.post("/detokenize")
@@ -229,7 +199,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        record: dict[str, Any] = scope.setdefault("state", {}).setdefault(RECORD_KEY, {})
+        record = scope_record(scope)
         started = time.time()
         status: int | None = None
 
@@ -244,7 +214,7 @@ class Guard:
         except Exception:
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             error = internal_error()
-            record.update(error_code=error.code, error_type=error.type)
+            record_error(scope, error)
             if status is None:
                 status = error.status
                 await error_response(scope.get("path", ""), error)(scope, receive, send)
@@ -252,7 +222,7 @@ class Guard:
             if self.log is not None and scope.get("path") not in UNLOGGED_PATHS:
                 record.update(time=round(started, 3), method=scope.get("method"), endpoint=scope.get("path"),
                               status=status, total_seconds=time.time() - started)
-                self.log.write({key: record.get(key) for key in LOG_FIELDS})
+                self.log.write(record)
 
 
 class APIKeyCheck:
@@ -272,8 +242,7 @@ class APIKeyCheck:
             if not any(hmac.compare_digest(key.encode(), self.key) for key in offered):
                 error = APIError(401, "missing or invalid API key; send 'Authorization: Bearer KEY' or "
                                       "'x-api-key: KEY'", code="invalid_api_key")
-                scope.setdefault("state", {}).setdefault(RECORD_KEY, {}).update(error_code=error.code,
-                                                                                error_type=error.type)
+                record_error(scope, error)
                 response = error_response(scope.get("path", ""), error, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
@@ -351,6 +320,6 @@ class BodyLimit:
 
     @staticmethod
     async def _refuse(scope: Scope, receive: Receive, send: Send, error: APIError, close: bool) -> None:
-        scope.setdefault("state", {}).setdefault(RECORD_KEY, {}).update(error_code=error.code, error_type=error.type)
+        record_error(scope, error)
         headers = {"Connection": "close"} if close else {}
         await error_response(scope.get("path", ""), error, headers=headers)(scope, receive, send)

@@ -29,50 +29,25 @@ event and the stream ends without [DONE].
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Discriminator, Field, Tag
 from starlette.concurrency import run_in_threadpool
 
-from ninfer.engine.scheduler import Finished, Request, Result
+from ninfer.engine import Request, Result
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
-from ninfer.serve.common import (
-    SSE_DONE,
-    APIError,
-    ClientDisconnected,
-    EventStreamResponse,
-    JSONObjectString,
-    LenientModel,
-    ServerState,
-    StrictModel,
-    check_model,
-    disconnected_response,
-    engine_events,
-    function_tool_json,
-    generate,
-    history_uses_tools,
-    new_id,
-    openai_error_body,
-    parse_body,
-    parse_logit_bias,
-    prompt_ids,
-    reasoning_tokens,
-    record_of,
-    record_result,
-    resolve_thinking,
-    sampling_params,
-    sse_data,
-    stream_error,
-)
-
-TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+from ninfer.serve.answer import Answer, new_id, reasoning_tokens, respond
+from ninfer.serve.conversation import Conversation, Sampling, engine_request, resolve_thinking, with_system
+from ninfer.serve.errors import APIError, openai_error_body
+from ninfer.serve.request_log import record_of
+from ninfer.serve.schema import JSONObjectString, LenientModel, StrictModel, parse_body
+from ninfer.serve.sse import SSE_DONE, sse_data
+from ninfer.serve.state import ServerState, check_model
+from ninfer.serve.tools import FunctionTool, OpenAIFunction, arguments_json, template_call, tools_by_name
 
 # ---------------------------------------------------------------------------------------------------------------
 # request schema
@@ -151,16 +126,9 @@ ChatMessage = Annotated[
     Discriminator(role)]
 
 
-class FunctionDefinition(StrictModel):
-    name: str = Field(pattern=TOOL_NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # recorded, not enforced (no constrained decoding)
-
-
 class ToolDefinition(StrictModel):
     type: Literal["function"]
-    function: FunctionDefinition
+    function: OpenAIFunction
 
 
 class NamedFunction(StrictModel):
@@ -311,39 +279,27 @@ def template_messages(messages: list[SystemMessage | UserMessage | AssistantMess
             if reasoning is not None:
                 turn["reasoning_content"] = reasoning
             if message.tool_calls:
-                turn["tool_calls"] = [{"id": call.id, "type": "function",
-                                       "function": {"name": call.function.name,
-                                                    "arguments": call.function.arguments}}
+                turn["tool_calls"] = [template_call(call.id, call.function.name, call.function.arguments)
                                       for call in message.tool_calls]
             rendered.append(turn)
-    if system:
-        rendered.insert(0, {"role": "system", "content": "\n\n".join(system)})
-    return rendered
+    return with_system(system, rendered)
 
 
 def template_tools(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolChoice | None
-                   ) -> list[dict[str, Any]] | None:
-    """The tools to render: none for tool_choice "none", only the named one for a named choice, else all (a
-    missing `parameters` becomes an empty object schema). 400 for duplicate names, a named or required choice
-    without tools, or a named tool that is not among them."""
-    tools = tools or []
-    names = [tool.function.name for tool in tools]
-    for index, name in enumerate(names):
-        if name in names[:index]:
-            raise APIError(400, f"tools[{index}].function.name: {name!r} is defined twice", code="invalid_value",
-                           param=f"tools[{index}].function.name")
-    if tool_choice not in (None, "none", "auto") and not tools:
+                   ) -> list[FunctionTool] | None:
+    """The tools to render: none for tool_choice "none", only the named one for a named choice, else all. 400 for
+    duplicate names, a named or required choice without tools, or a named tool that is not among them."""
+    by_name = tools_by_name((tool.function.tool() for tool in tools or []), "tools[{}].function.name")
+    if tool_choice not in (None, "none", "auto") and not by_name:
         raise APIError(400, "tool_choice requires tools", code="invalid_value", param="tool_choice")
     if tool_choice == "none":
         return None
     if isinstance(tool_choice, NamedToolChoice):
-        if tool_choice.function.name not in names:
+        if tool_choice.function.name not in by_name:
             raise APIError(400, f"tool_choice names {tool_choice.function.name!r}, which is not among the tools",
                            code="invalid_value", param="tool_choice.function.name")
-        tools = [tools[names.index(tool_choice.function.name)]]
-    return [function_tool_json(tool.function.name, tool.function.description,
-                               tool.function.parameters or {"type": "object", "properties": {}})
-            for tool in tools] or None
+        return [by_name[tool_choice.function.name]]
+    return list(by_name.values()) or None
 
 
 def thinking_of(body: ChatCompletionRequest, default: bool) -> bool:
@@ -366,7 +322,7 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     """A parsed tool call on the wire: a fresh `call_<hex>` id, arguments as a JSON string (index when streamed)."""
     wire: dict[str, Any] = {} if index is None else {"index": index}
     wire.update(id=new_id("call_"), type="function",
-                function={"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)})
+                function={"name": call.name, "arguments": arguments_json(call.arguments)})
     return wire
 
 
@@ -377,21 +333,27 @@ def usage_json(result: Result, reasoning: int) -> dict[str, Any]:
             "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
-class _Chat:
-    """One chat completion in flight: what the request resolved to, and its wire formatting."""
+class ChatAnswer(Answer):
+    """One chat completion: a `chat.completion` object, or `chat.completion.chunk` events ended by [DONE]."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, thinking: bool):
         self.state = state
         self.body = body
         self.thinking = thinking
         self.id = new_id("chatcmpl-")
+        self.what = f"chat completion {self.id}"
         self.created = int(time.time())
         self.single_tool_call = body.parallel_tool_calls is False
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.tool_calls = 0  # streamed so far
 
     def finish_reason(self, result: Result, tool_calls: int) -> str:
         return "tool_calls" if tool_calls else result.finish_reason
 
-    def completion(self, result: Result) -> dict[str, Any]:
+    def usage(self, result: Result) -> dict[str, Any]:
+        return usage_json(result, reasoning_tokens(result, self.state.llm.tokenizer, self.thinking))
+
+    def whole(self, result: Result) -> dict[str, Any]:
         calls = result.tool_calls[:1] if self.single_tool_call else result.tool_calls
         message: dict[str, Any] = {"role": "assistant", "content": result.text if result.text or not calls else None,
                                    "reasoning_content": result.reasoning or None}
@@ -401,7 +363,7 @@ class _Chat:
                 "system_fingerprint": None,
                 "choices": [{"index": 0, "message": message, "logprobs": None,
                              "finish_reason": self.finish_reason(result, len(calls))}],
-                "usage": usage_json(result, reasoning_tokens(result, self.state.llm.tokenizer, self.thinking))}
+                "usage": self.usage(result)}
 
     def chunk(self, delta: dict[str, Any] | None, finish_reason: str | None = None,
               usage: dict[str, Any] | None = None) -> bytes:
@@ -414,37 +376,28 @@ class _Chat:
             payload["usage"] = usage
         return sse_data(payload)
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.body.stream_options and self.body.stream_options.include_usage)
+    def opening(self) -> list[bytes]:
+        return [self.chunk({"role": "assistant", "content": ""})]
 
-    async def stream(self, http_request: HTTPRequest, request: Request) -> AsyncIterator[bytes]:
-        """The SSE chunks. Refusals before the first event propagate (EventStreamResponse answers them with their
-        status); later errors become an in-band error event."""
-        async with contextlib.aclosing(engine_events(self.state, request)) as events:
-            event = await anext(events)
-            yield self.chunk({"role": "assistant", "content": ""})
-            tool_calls = 0
-            try:
-                while not isinstance(event, Finished):
-                    if isinstance(event, ReasoningDelta):
-                        yield self.chunk({"reasoning_content": event.text})
-                    elif isinstance(event, ContentDelta):
-                        yield self.chunk({"content": event.text})
-                    elif isinstance(event, ToolCall) and not (self.single_tool_call and tool_calls):
-                        yield self.chunk({"tool_calls": [tool_call_json(event, tool_calls)]})
-                        tool_calls += 1
-                    event = await anext(events)
-            except Exception as exc:
-                yield sse_data(openai_error_body(stream_error(http_request, exc, f"chat completion {self.id}")))
-                return
-        result = event.completion
-        record_result(http_request, result)
-        yield self.chunk({}, self.finish_reason(result, tool_calls))
+    def chunks(self, event: Any) -> list[bytes]:
+        if isinstance(event, ReasoningDelta):
+            return [self.chunk({"reasoning_content": event.text})]
+        if isinstance(event, ContentDelta):
+            return [self.chunk({"content": event.text})]
+        if isinstance(event, ToolCall) and not (self.single_tool_call and self.tool_calls):
+            chunk = self.chunk({"tool_calls": [tool_call_json(event, self.tool_calls)]})
+            self.tool_calls += 1
+            return [chunk]
+        return []
+
+    def failure(self, error: APIError) -> list[bytes]:
+        return [sse_data(openai_error_body(error))]
+
+    def closing(self, result: Result) -> list[bytes]:
+        chunks = [self.chunk({}, self.finish_reason(result, self.tool_calls))]
         if self.include_usage:
-            usage = usage_json(result, reasoning_tokens(result, self.state.llm.tokenizer, self.thinking))
-            yield self.chunk(None, usage=usage)
-        yield SSE_DONE
+            chunks.append(self.chunk(None, usage=self.usage(result)))
+        return [*chunks, SSE_DONE]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -458,18 +411,14 @@ def build_request(state: ServerState, body: ChatCompletionRequest, thinking: boo
     messages = template_messages(body.messages)
     tools = template_tools(body.tools, body.tool_choice)
     kwargs = {key: value for key, value in (body.chat_template_kwargs or {}).items() if key != "enable_thinking"}
-    ids = prompt_ids(state, messages, tools=tools, thinking=thinking, template_kwargs=kwargs)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    params = sampling_params(
-        state, prompt_tokens=len(ids), max_tokens=max_tokens, stop=stop,
-        logit_bias=parse_logit_bias(body.logit_bias, state.llm.tokenizer.vocab_size),
+    sampling = Sampling(
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else body.stop, logit_bias=body.logit_bias,
         stop_token_ids=body.stop_token_ids, temperature=body.temperature, top_p=body.top_p,
         top_k=0 if body.top_k == -1 else body.top_k, min_p=body.min_p, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty, seed=body.seed,
         ignore_eos=body.ignore_eos)
-    tools_enabled = bool(tools) or history_uses_tools(messages)
-    return Request(ids, params, thinking=thinking, tools_enabled=tools_enabled, request_id=request_id)
+    return engine_request(state, Conversation(messages, tools, thinking, kwargs), sampling, request_id)
 
 
 def router(state: ServerState) -> APIRouter:
@@ -481,16 +430,9 @@ def router(state: ServerState) -> APIRouter:
         body = await parse_body(http_request, ChatCompletionRequest)
         check_model(state, body.model)
         thinking = thinking_of(body, state.config.default_thinking)
-        chat = _Chat(state, body, thinking)
-        record_of(http_request).update(id=chat.id, stream=bool(body.stream), thinking=thinking)
-        # rendering and tokenizing a long conversation takes a while: not on the event loop
-        request = await run_in_threadpool(build_request, state, body, thinking, chat.id)
-        if body.stream:
-            return EventStreamResponse(chat.stream(http_request, request))
-        try:
-            result = await generate(state, http_request, request)
-        except ClientDisconnected:
-            return disconnected_response(http_request)
-        return JSONResponse(chat.completion(result))
+        answer = ChatAnswer(state, body, thinking)
+        record_of(http_request).update(id=answer.id, stream=bool(body.stream), thinking=thinking)
+        request = await run_in_threadpool(build_request, state, body, thinking, answer.id)
+        return await respond(state, http_request, request, answer, stream=bool(body.stream))
 
     return routes

@@ -44,52 +44,37 @@ A refusal before the engine's first event (queue full, queue timeout) is an HTTP
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field
+from starlette.concurrency import run_in_threadpool
 
-from ninfer.engine.scheduler import Finished, Request, Result
+from ninfer.engine import Request, Result
 from ninfer.frontend import ToolCall
-from ninfer.serve.common import (
-    APIError,
-    ClientDisconnected,
-    EventStreamResponse,
-    JSONObjectString,
-    LenientModel,
-    OrderedParts,
-    ServerState,
-    StreamEvents,
-    StrictModel,
-    check_model,
-    disconnected_response,
-    engine_events,
-    function_tool_json,
-    generate,
-    history_uses_tools,
-    new_id,
-    parse_body,
-    parse_tagged,
+from ninfer.serve.answer import Answer, OrderedParts, StreamEvents, new_id, reasoning_tokens, respond
+from ninfer.serve.conversation import (
+    Conversation,
+    Sampling,
+    engine_request,
     prompt_ids,
-    reasoning_tokens,
-    record_of,
-    record_result,
     resolve_thinking,
-    sampling_params,
-    sse_event,
-    stream_error,
+    with_system,
 )
+from ninfer.serve.errors import APIError
+from ninfer.serve.request_log import record_of
+from ninfer.serve.schema import JSONObjectString, LenientModel, StrictModel, parse_body, parse_tagged
+from ninfer.serve.sse import sse_event
+from ninfer.serve.state import ServerState, check_model
+from ninfer.serve.tools import FunctionTool, OpenAIFunction, arguments_json, template_call, tools_by_name
 
 STORE_SIZE = 256  # responses kept for previous_response_id (least recently used dropped first)
-TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
-SYSTEM_SEPARATOR = "\n\n"  # between instructions and folded system / developer messages
 
 # ---------------------------------------------------------------------------------------------------------------
 # request schema
@@ -150,12 +135,11 @@ ITEMS: dict[str, type[LenientModel]] = {"message": MessageItem, "function_call":
                                         "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 
 
-class FunctionTool(LenientModel):
+class FlatFunctionTool(OpenAIFunction):
+    """A function tool in Responses' flat shape: OpenAI's function fields beside `type`."""
+
+    model_config = LenientModel.model_config
     type: Literal["function"]
-    name: str = Field(pattern=TOOL_NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # recorded, not enforced (no constrained decoding)
 
 
 class NamedToolChoice(StrictModel):
@@ -308,8 +292,7 @@ def template_messages(items: list[dict[str, Any]], instructions: str | None) -> 
             current["content"] += _text(item["content"], f"{where}.content")
         elif kind == "function_call":
             assistant().setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function",
-                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+                template_call(item["call_id"], item["name"], item["arguments"]))
         elif kind == "reasoning":
             if turn is not None and (turn["content"] or "tool_calls" in turn or "reasoning_content" in turn):
                 turn = None
@@ -323,34 +306,50 @@ def template_messages(items: list[dict[str, Any]], instructions: str | None) -> 
                 system.append(_text(item["content"], f"{where}.content"))
             else:
                 rendered.append({"role": "user", "content": _text(item["content"], f"{where}.content")})
-    if system:
-        rendered.insert(0, {"role": "system", "content": SYSTEM_SEPARATOR.join(system)})
-    return rendered
+    return with_system(system, rendered)
 
 
-def template_tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
-    """The tools to render as OpenAI function JSON: none for tool_choice none, only the named one for a named
-    choice, else all (a missing `parameters` becomes an empty object schema). 400 for non-function tools,
-    duplicate names, a required or named choice without tools, or a named tool that is not among them."""
-    tools = [parse_tagged(raw, {"function": FunctionTool}, f"tools[{index}]")
-             for index, raw in enumerate(body.tools or [])]
-    names = [tool.name for tool in tools]
-    for index, name in enumerate(names):
-        if name in names[:index]:
-            raise APIError(400, f"tools[{index}].name: {name!r} is defined twice", code="invalid_value",
-                           param=f"tools[{index}].name")
+def template_tools(body: ResponsesRequest) -> list[FunctionTool] | None:
+    """The tools to render: none for tool_choice none, only the named one for a named choice, else all. 400 for
+    non-function tools, duplicate names, a required or named choice without tools, or a named tool that is not
+    among them."""
+    wire = [parse_tagged(raw, {"function": FlatFunctionTool}, f"tools[{index}]")
+            for index, raw in enumerate(body.tools or [])]
+    by_name = tools_by_name((tool.tool() for tool in wire), "tools[{}].name")
     choice = body.tool_choice
-    if choice not in (None, "none", "auto") and not tools:
+    if choice not in (None, "none", "auto") and not by_name:
         raise APIError(400, "tool_choice: requires tools", code="invalid_value", param="tool_choice")
     if choice == "none":
         return None
     if isinstance(choice, NamedToolChoice):
-        if choice.name not in names:
+        if choice.name not in by_name:
             raise APIError(400, f"tool_choice.name: {choice.name!r} is not among the tools", code="invalid_value",
                            param="tool_choice.name")
-        tools = [tools[names.index(choice.name)]]
-    return [function_tool_json(tool.name, tool.description, tool.parameters or {"type": "object", "properties": {}})
-            for tool in tools] or None
+        return [by_name[choice.name]]
+    return list(by_name.values()) or None
+
+
+def read_request(body: ResponsesRequest, history: list[dict[str, Any]],
+                 default_thinking: bool) -> tuple[list[dict[str, Any]], Conversation]:
+    """The conversation's items (`history`, then this request's input) and the Conversation they make."""
+    check_supported(body)
+    items = history + parse_items(body.input)
+    if not any(item["type"] != "reasoning" for item in items):
+        raise APIError(400, "input: give at least one message (or a previous_response_id)",
+                       code="missing_required_parameter", param="input")
+    messages = template_messages(items, body.instructions)
+    effort = body.reasoning.effort if body.reasoning else None
+    thinking = resolve_thinking(default_thinking,
+                                ("reasoning.effort", None if effort is None else effort not in ("none", "minimal")))
+    return items, Conversation(messages, template_tools(body), thinking)
+
+
+def build_request(state: ServerState, body: ResponsesRequest, history: list[dict[str, Any]],
+                  request_id: str) -> tuple[Request, list[dict[str, Any]]]:
+    """The engine request of a validated Responses request, and the conversation's items."""
+    items, conversation = read_request(body, history, state.config.default_thinking)
+    sampling = Sampling(max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p)
+    return engine_request(state, conversation, sampling, request_id), items
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -397,7 +396,7 @@ class OutputItems(OrderedParts):
                 ("response.output_item.done", {"output_index": where["output_index"], "item": _copy(item)})]
 
     def _tool_call(self, call: ToolCall) -> StreamEvents:
-        arguments = json.dumps(call.arguments, ensure_ascii=False)
+        arguments = arguments_json(call.arguments)
         item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": new_id("call_"),
                 "name": call.name, "arguments": ""}
         events = self._add(item)
@@ -434,43 +433,24 @@ def output_as_input(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return replay
 
 
-class Prompt:
-    """What a request's conversation resolves to: its items (history and input), token ids, thinking, and whether
-    tool calls are parsed. `limit`: 400 context_length_exceeded when the prompt leaves no room to generate."""
+class ResponseAnswer(Answer):
+    """One response: a `response` object, or Responses' semantic events (each with its `sequence_number`). A
+    finished response is stored for previous_response_id (a stream's once its last item is closed)."""
 
-    def __init__(self, state: ServerState, body: ResponsesRequest, history: list[dict[str, Any]], limit: bool):
-        check_supported(body)
-        self.items = history + parse_items(body.input)
-        if not any(item["type"] != "reasoning" for item in self.items):
-            raise APIError(400, "input: give at least one message (or a previous_response_id)",
-                           code="missing_required_parameter", param="input")
-        messages = template_messages(self.items, body.instructions)
-        effort = body.reasoning.effort if body.reasoning else None
-        self.thinking = resolve_thinking(state.config.default_thinking,
-                                         ("reasoning.effort", None if effort is None else effort not in
-                                          ("none", "minimal")))
-        tools = template_tools(body)
-        self.tools_enabled = bool(tools) or history_uses_tools(messages)
-        self.ids = prompt_ids(state, messages, tools=tools, thinking=self.thinking, limit=limit)
-
-
-class _Exchange:
-    """One /v1/responses request in flight: what it resolved to, its items, and the wire format of its answer."""
-
-    def __init__(self, state: ServerState, body: ResponsesRequest, history: list[dict[str, Any]]):
+    def __init__(self, state: ServerState, body: ResponsesRequest, request: Request, items: list[dict[str, Any]],
+                 store: ResponseStore):
         self.state = state
         self.body = body
-        self.id = new_id("resp_")
+        self.id = request.request_id
+        self.what = f"response {self.id}"
+        self.thinking = request.thinking
+        self.items = items
+        self.store = store
         self.created_at = int(time.time())
-        prompt = Prompt(state, body, history, limit=True)
-        self.items, self.thinking = prompt.items, prompt.thinking
-        params = sampling_params(state, prompt_tokens=len(prompt.ids), max_tokens=body.max_output_tokens,
-                                 temperature=body.temperature, top_p=body.top_p)
-        self.request = Request(prompt.ids, params, thinking=prompt.thinking, tools_enabled=prompt.tools_enabled,
-                               request_id=self.id)
-        self.single_tool_call = body.parallel_tool_calls is False
+        self.output = OutputItems(single_tool_call=body.parallel_tool_calls is False)
+        self.sequence = 0  # of the next stream event
 
-    def response(self, output: OutputItems, result: Result | None, status: str = "in_progress",
+    def response(self, result: Result | None, status: str = "in_progress",
                  error: APIError | None = None) -> dict[str, Any]:
         """The response object: in progress (no result yet), completed / incomplete (with `result`) or failed."""
         body = self.body
@@ -483,7 +463,7 @@ class _Exchange:
             "error": {"code": error.code or "server_error", "message": error.message} if error else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": self.state.model_id, "output": [_copy(item) for item in output.items],
+            "model": self.state.model_id, "output": [_copy(item) for item in self.output.items],
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": reasoning, "summary": None}, "store": body.store is not False,
@@ -502,47 +482,42 @@ class _Exchange:
                 "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": result.prompt_tokens + result.completion_tokens}
 
-    async def answer(self, http_request: HTTPRequest) -> tuple[dict[str, Any], OutputItems]:
-        """The whole response, built from the same events as the stream. Raises the APIErrors of
-        `engine_events`, or ClientDisconnected (the request is cancelled then)."""
-        output = OutputItems(self.single_tool_call)
-        result = await generate(self.state, http_request, self.request, output.feed)
-        output.close()
-        return self.response(output, result), output
+    def save(self, response: dict[str, Any]) -> None:
+        """Store the finished response, unless the request says `store: false`."""
+        if self.body.store is not False:
+            self.store.put(self.id, response, self.items + output_as_input(self.output.items))
 
-    async def stream(self, http_request: HTTPRequest, store: ResponseStore) -> AsyncIterator[bytes]:
-        """The SSE events. Refusals before the engine's first event propagate (EventStreamResponse answers them
-        with their status); later errors become an `error` event and response.failed."""
-        output = OutputItems(self.single_tool_call)
-        sequence = 0
+    def send(self, name: str, payload: dict[str, Any]) -> bytes:
+        self.sequence += 1
+        return sse_event(name, {"type": name, "sequence_number": self.sequence - 1, **payload})
 
-        def send(name: str, payload: dict[str, Any]) -> bytes:
-            nonlocal sequence
-            sequence += 1
-            return sse_event(name, {"type": name, "sequence_number": sequence - 1, **payload})
+    def collect(self, event: Any) -> None:
+        self.output.feed(event)
 
-        async with contextlib.aclosing(engine_events(self.state, self.request)) as events:
-            event = await anext(events)
-            yield send("response.created", {"response": self.response(output, None)})
-            yield send("response.in_progress", {"response": self.response(output, None)})
-            try:
-                while not isinstance(event, Finished):
-                    for name, payload in output.feed(event):
-                        yield send(name, payload)
-                    event = await anext(events)
-            except Exception as exc:
-                error = stream_error(http_request, exc, f"response {self.id}")
-                yield send("error", {"code": error.code, "message": error.message, "param": error.param})
-                yield send("response.failed", {"response": self.response(output, None, "failed", error)})
-                return
-        result = event.completion
-        record_result(http_request, result)
-        for name, payload in output.close():
-            yield send(name, payload)
-        response = self.response(output, result)
-        store.put(self, response, output)
+    def whole(self, result: Result) -> dict[str, Any]:
+        self.output.close()
+        response = self.response(result)
+        self.save(response)
+        return response
+
+    def opening(self) -> list[bytes]:
+        return [self.send("response.created", {"response": self.response(None)}),
+                self.send("response.in_progress", {"response": self.response(None)})]
+
+    def chunks(self, event: Any) -> list[bytes]:
+        return [self.send(name, payload) for name, payload in self.output.feed(event)]
+
+    def failure(self, error: APIError) -> list[bytes]:
+        return [self.send("error", {"code": error.code, "message": error.message, "param": error.param}),
+                self.send("response.failed", {"response": self.response(None, "failed", error)})]
+
+    def closing(self, result: Result) -> Iterator[bytes]:
+        for name, payload in self.output.close():
+            yield self.send(name, payload)
+        response = self.response(result)
+        self.save(response)
         final = "response.completed" if response["status"] == "completed" else "response.incomplete"
-        yield send(final, {"response": response})
+        yield self.send(final, {"response": response})
 
 
 class ResponseStore:
@@ -553,11 +528,9 @@ class ResponseStore:
         self.size = size
         self._records: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
 
-    def put(self, exchange: _Exchange, response: dict[str, Any], output: OutputItems) -> None:
-        if exchange.body.store is False:
-            return
-        self._records[exchange.id] = (response, exchange.items + output_as_input(output.items))
-        self._records.move_to_end(exchange.id)
+    def put(self, response_id: str, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        self._records[response_id] = (response, items)
+        self._records.move_to_end(response_id)
         while len(self._records) > self.size:
             self._records.popitem(last=False)
 
@@ -586,30 +559,24 @@ def router(state: ServerState) -> APIRouter:
     routes = APIRouter()
     store = ResponseStore()
 
+    def history(body: ResponsesRequest) -> list[dict[str, Any]]:
+        if body.model is not None:
+            check_model(state, body.model)
+        return store.get(body.previous_response_id)[1] if body.previous_response_id else []
+
     @routes.post("/v1/responses")
     async def create(http_request: HTTPRequest) -> Response:
         body = await parse_body(http_request, ResponsesRequest)
-        if body.model is not None:
-            check_model(state, body.model)
-        history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
-        exchange = _Exchange(state, body, history)
-        record_of(http_request).update(id=exchange.id, stream=bool(body.stream), thinking=exchange.thinking)
-        if body.stream:
-            return EventStreamResponse(exchange.stream(http_request, store))
-        try:
-            response, output = await exchange.answer(http_request)
-        except ClientDisconnected:
-            return disconnected_response(http_request)
-        store.put(exchange, response, output)
-        return JSONResponse(response)
+        request, items = await run_in_threadpool(build_request, state, body, history(body), new_id("resp_"))
+        record_of(http_request).update(id=request.request_id, stream=bool(body.stream), thinking=request.thinking)
+        answer = ResponseAnswer(state, body, request, items, store)
+        return await respond(state, http_request, request, answer, stream=bool(body.stream))
 
     @routes.post("/v1/responses/input_tokens")
     async def input_tokens(http_request: HTTPRequest) -> dict[str, Any]:
         body = await parse_body(http_request, InputTokensRequest)
-        if body.model is not None:
-            check_model(state, body.model)
-        history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
-        return {"object": "response.input_tokens", "input_tokens": len(Prompt(state, body, history, False).ids)}
+        _, conversation = read_request(body, history(body), state.config.default_thinking)
+        return {"object": "response.input_tokens", "input_tokens": len(prompt_ids(state, conversation, limit=False))}
 
     @routes.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> dict[str, Any]:

@@ -14,18 +14,16 @@ import anthropic
 import httpx
 import pytest
 
-from ninfer.engine.llm import LLM
-from ninfer.engine.scheduler import Engine
+from ninfer.engine import LLM, Engine
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
 from ninfer.sampling import SamplingParams
-from ninfer.serve.app import ServeConfig, create_app
-from tests.serve_support import (
+from ninfer.serve.app import create_app
+from ninfer.serve.state import ServeConfig
+from tests.serve.support import (
     Loopback,
     ScriptedEngine,
     greedy,
     one_slot_taken,
-    running_engine,
-    single_thread_llm,
     wait_until,
 )
 
@@ -43,10 +41,6 @@ TOOLS = [
 ]
 OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
                                                   "parameters": t["input_schema"]}} for t in TOOLS]
-
-
-llm = pytest.fixture(scope="module", name="llm")(single_thread_llm)
-engine = pytest.fixture(scope="module", name="engine")(running_engine)
 
 
 @pytest.fixture(scope="module")

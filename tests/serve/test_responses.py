@@ -14,17 +14,15 @@ import httpx
 import openai
 import pytest
 
-from ninfer.engine.llm import LLM
-from ninfer.engine.scheduler import Engine
+from ninfer.engine import LLM, Engine
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
-from ninfer.serve.app import ServeConfig, create_app
-from tests.serve_support import (
+from ninfer.serve.app import create_app
+from ninfer.serve.state import ServeConfig
+from tests.serve.support import (
     Loopback,
     ScriptedEngine,
     greedy,
     one_slot_taken,
-    running_engine,
-    single_thread_llm,
     wait_until,
 )
 
@@ -42,10 +40,6 @@ TOOLS = [
 CHAT_TOOLS = [{"type": "function", "function": {key: t[key] for key in ("name", "description", "parameters")}}
               for t in TOOLS]
 OFF = {"effort": "none"}
-
-
-llm = pytest.fixture(scope="module", name="llm")(single_thread_llm)
-engine = pytest.fixture(scope="module", name="engine")(running_engine)
 
 
 @pytest.fixture(scope="module")

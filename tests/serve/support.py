@@ -1,7 +1,5 @@
-"""What the server tests share: a loopback uvicorn server with its SDK clients, a scripted stand-in for the engine,
-the tiny model and a started engine for module fixtures, a server whose one slot is taken, and small waiting and
-greedy helpers. A plain module: test files import from it and make fixtures of the generators, e.g.
-`llm = pytest.fixture(scope="module", name="llm")(single_thread_llm)`."""
+"""What the server tests share besides their fixtures (conftest.py): a loopback uvicorn server with its SDK clients,
+a scripted stand-in for the engine, a server whose one slot is taken, and small waiting and greedy helpers."""
 
 from __future__ import annotations
 
@@ -15,15 +13,13 @@ from typing import Any
 import anthropic
 import httpx
 import openai
-import torch
 import uvicorn
 
-from ninfer.engine.llm import LLM
-from ninfer.engine.output import Completion
-from ninfer.engine.scheduler import Engine, Finished
+from ninfer.engine import LLM, Engine, Finished, Result
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
 from ninfer.sampling import SamplingParams
-from ninfer.serve.app import ServeConfig, create_app
+from ninfer.serve.app import create_app
+from ninfer.serve.state import ServeConfig
 
 STARTUP_SECONDS = 10.0  # how long the loopback server may take to start, and to stop
 
@@ -68,7 +64,7 @@ class ScriptedEngine:
         return {"running": 0, "waiting": 0}
 
     async def generate(self, request: Any) -> AsyncIterator[Any]:
-        completion = Completion(finish_reason="stop", token_ids=[1, 2, 3])
+        completion = Result(finish_reason="stop", token_ids=[1, 2, 3])
         completion.stats.prompt_tokens = len(request.prompt_ids)
         completion.stats.generated_tokens = len(completion.token_ids)
         for event in self.script:
@@ -92,26 +88,9 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def greedy(llm: LLM, messages: list[dict], max_tokens: int, **options: Any) -> Completion:
+def greedy(llm: LLM, messages: list[dict], max_tokens: int, **options: Any) -> Result:
     """The single-sequence LLM's greedy answer: what the server must reproduce at temperature 0."""
     return llm.generate(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens), **options)
-
-
-def single_thread_llm() -> Iterator[LLM]:
-    """The tiny default LLM with torch on one thread (the tiny model is fastest on one thread; more only contend on
-    a busy machine); the thread count is restored afterwards. For a module fixture named `llm`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM()
-    torch.set_num_threads(threads)
-
-
-def running_engine(llm: LLM) -> Iterator[Engine]:
-    """A started Engine over the `llm` fixture (8 concurrent sequences, 64 waiting), closed afterwards. For a
-    module fixture named `engine`."""
-    engine = Engine(llm, max_concurrency=8, max_pending=64).start()
-    yield engine
-    engine.close()
 
 
 @contextlib.contextmanager

@@ -19,14 +19,14 @@ import httpx
 import openai
 import pytest
 
-from ninfer.engine.llm import LLM
-from ninfer.engine.scheduler import Engine
+from ninfer.engine import LLM, Engine
 from ninfer.errors import NinferError
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
 from ninfer.serve import openai_chat
-from ninfer.serve.app import ServeConfig, create_app
+from ninfer.serve.app import create_app
 from ninfer.serve.main import bind
-from tests.serve_support import Loopback, ScriptedEngine, greedy, running_engine, single_thread_llm, wait_until
+from ninfer.serve.state import ServeConfig
+from tests.serve.support import Loopback, ScriptedEngine, greedy, wait_until
 
 MODEL = "test-model"
 KEY = "sk-test-key"
@@ -38,10 +38,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "description": "Local time of a city",
                                       "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
 ]
-
-
-llm = pytest.fixture(scope="module", name="llm")(single_thread_llm)
-engine = pytest.fixture(scope="module", name="engine")(running_engine)
 
 
 @pytest.fixture(scope="module")

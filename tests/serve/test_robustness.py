@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from ninfer.engine.llm import LLM
-from ninfer.engine.scheduler import Engine
-from ninfer.serve.app import ServeConfig, create_app
+from ninfer.engine import LLM, Engine
+from ninfer.serve.app import create_app
 from ninfer.serve.openai_chat import ChatCompletionRequest
-from tests.serve_support import Loopback, running_engine, single_thread_llm, wait_until
+from ninfer.serve.state import ServeConfig
+from tests.serve.support import Loopback, wait_until
 
 MODEL = "test-model"
 QUESTION = [{"role": "user", "content": "Tell me about the sea."}]
@@ -38,10 +38,6 @@ def assert_openai_error(status: int, body: bytes, allowed: tuple[int, ...]) -> d
     assert isinstance(error["error"]["message"], str) and error["error"]["message"]
     assert isinstance(error["error"]["type"], str)
     return error["error"]
-
-
-llm = pytest.fixture(scope="module", name="llm")(single_thread_llm)
-engine = pytest.fixture(scope="module", name="engine")(running_engine)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,28 @@
+"""Fixtures of the server tests: the tiny model and a started engine over it, once per test module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ninfer.engine import LLM, Engine
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    """The tiny default LLM with torch on one thread (the tiny model is fastest on one thread; more only contend on
+    a busy machine); the thread count is restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine(llm: LLM) -> Iterator[Engine]:
+    """A started Engine over the `llm` fixture (8 concurrent sequences, 64 waiting), closed afterwards."""
+    engine = Engine(llm, max_concurrency=8, max_pending=64).start()
+    yield engine
+    engine.close()
