@@ -181,24 +181,21 @@ def _add_runner_flags(parser: argparse.ArgumentParser) -> None:
                         help="fast path GDN recurrent-state precision as stored (default fp32, the models' own; bf16 "
                              "halves its memory and traffic, computing in fp32 either way)")
     parser.add_argument("--prefill-chunk", type=_positive_int, default=None,
-                        help="prompt tokens per prefill chunk (default 4096; the memory plan reserves room for one). "
-                             "serve: the default is 4096 for a prompt with no stream to hold up and 512 per step "
-                             "while other streams decode (they go on between chunks); a value given is both")
+                        help="prompt tokens per prefill pass of the model (default 4096; the memory plan reserves "
+                             "room for one)")
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from ninfer.engine.llm import LLM, PREFILL_CHUNK
+    from ninfer.config import from_args
+    from ninfer.engine import LLM
     from ninfer.eval.bench import format_report, report_json, run_bench
 
-    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.model is not None and not args.model.is_file():
         raise NinferError(f"{args.model}: no such file")
-    llm = LLM(args.model, device=args.device, dtype=dtype, runner=args.runner, kv_dtype=args.kv_dtype,
-              state_dtype=args.state_dtype, max_sequences=max(args.batch_sizes),
-              max_context=max(args.prompt_lengths) + args.new_tokens + 1,
-              prefill_chunk=args.prefill_chunk or PREFILL_CHUNK, progress=not args.json)
+    slots = max(args.batch_sizes)
+    config = from_args(args, sequences=slots, max_concurrency=slots,
+                       max_context=max(args.prompt_lengths) + args.new_tokens + 1)
+    llm = LLM(args.model, config, progress=not args.json)
     lengths = [min(p, llm.max_context - args.new_tokens - 1) for p in args.prompt_lengths]
     if min(lengths) < 1:
         raise NinferError(f"--new-tokens {args.new_tokens} leaves no room for a prompt in {llm.max_context}")

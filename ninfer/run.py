@@ -11,9 +11,8 @@ import json
 import sys
 from typing import Any
 
-import torch
-
-from ninfer.engine.llm import LLM, PREFILL_CHUNK, Finished
+from ninfer.config import from_args
+from ninfer.engine import LLM, Finished
 from ninfer.errors import NinferError
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
 
@@ -43,10 +42,7 @@ def _read_messages(path: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 def run_command(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.is_file():
         raise NinferError(f"{args.model}: no such file")
-    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    llm = LLM(args.model, device=args.device, dtype=dtype, max_context=args.max_context, runner=args.runner,
-              kv_dtype=args.kv_dtype, state_dtype=args.state_dtype, max_sequences=1,
-              prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
+    llm = LLM(args.model, from_args(args, sequences=1, max_concurrency=1))
     overrides = {flag: getattr(args, flag) for flag in SAMPLING_FLAGS if getattr(args, flag) is not None}
     if args.greedy:
         overrides["temperature"] = 0.0

@@ -25,10 +25,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from ninfer.engine.llm import LLM
-from ninfer.engine.scheduler import Engine
+from ninfer.engine import LLM
 from ninfer.serve.app import ServeConfig, create_app
-from ninfer.serve.main import SERVE_PREFILL_CHUNK
 
 
 def start_server(app) -> tuple[uvicorn.Server, str]:
@@ -82,10 +80,10 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=2048, help="length of the shared system prompt")
     parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8", "fp8"])
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, max_sequences=8, kv_dtype=args.kv_dtype)  # as `ninfer serve` loads it
+    llm = LLM(args.model, device=args.device, max_concurrency=8, kv_dtype=args.kv_dtype)  # as `ninfer serve` loads it
     if llm.fast:  # as `ninfer serve` does before it listens
         print(f"warmed up in {llm.model.warm_up(8):.1f} s")
-    engine = Engine(llm, max_concurrency=8, prefill_chunk=SERVE_PREFILL_CHUNK).start()
+    engine = llm.engine.start()
     model_id = "bench"
     log_path = Path(tempfile.mkdtemp()) / "requests.jsonl"  # the server's request log: per-request phase timings
     server, url = start_server(create_app(engine, ServeConfig(model_id=model_id, request_log=log_path)))

@@ -26,11 +26,11 @@ def llm() -> LLM:
 def _manual_greedy(llm: LLM, ids: list[int], count: int) -> list[int]:
     with torch.no_grad():
         state = llm.model.new_state(len(ids) + count)
-        logits = llm.model.forward(torch.tensor(ids), state)
+        logits = llm.model.prefill(torch.tensor(ids), state)
         out = []
         for _ in range(count):
             out.append(int(torch.argmax(logits[: llm.tokenizer.vocab_size])))
-            logits = llm.model.forward(torch.tensor(out[-1:]), state)
+            logits = llm.model.prefill(torch.tensor(out[-1:]), state)
     return out
 
 

@@ -11,7 +11,7 @@ Decode fraction = (bytes read per step / measured bandwidth) / measured step tim
 (FLOPs / measured rate) / measured time. "Bytes read" counts the weight matrices as the model holds them (packed
 on the fast path, decoded on the reference path) except the untied token embedding (a decode step reads B rows of
 it), and of a MoE's routed experts only the expected share that B tokens × top-k choices touch; a batch decodes in
-one `decode_batch` step (the reference path runs its sequences one after another). On CUDA a batch's timed decode
+one `decode` step (the reference path runs its sequences one after another). On CUDA a batch's timed decode
 steps follow its prompts' prefill and one warm-up step after an idle pause (DECODE_SETTLE_SECONDS).
 """
 
@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from ninfer.devices import synchronize
-from ninfer.engine.llm import LLM
+from ninfer.engine import LLM
 from ninfer.errors import NinferError
 from ninfer.kernels.dependent_launch import pdl_supported
 from ninfer.model.config import FULL_ATTENTION
+from ninfer.model.protocol import Model
 
 
 @dataclass
@@ -42,14 +43,12 @@ class Limits:
 LIMIT_REPEATS = 21  # timed calls per limit (the median is reported)
 # reductions per timing of the read bandwidth on CUDA: back to back, as a decode step's kernels read. One 1 GiB
 # reduction alone, with the GPU idle around it, read 2-7 % lower and varied more from run to run (H200: 4.02-4.17
-# against 4.29 TB/s in one process; docs/performance.md, twenty-eighth session)
+# against 4.29 TB/s in one process)
 READ_BURST = 10
 # idle seconds on CUDA between a batch's prompts and its timed decode steps. Decode timed right after a long
-# prompt's prefill (which runs the tensor cores at full power) read slower than after an idle pause: 27B at an
-# 8,192-token context, 5.29-5.49 ms a step once the graphs were captured before the prompts, 5.13 ms while each
-# capture's seconds of host work came between them (docs/performance.md, thirty-seventh session). With this pause
-# it is 5.13 ms again, against 5.43-5.48 ms without, on one machine (thirty-eighth session); the GPU's clocks after
-# the prefill are the likely cause (not read)
+# prompt's prefill (which runs the tensor cores at full power) read slower than after an idle pause (27B at an
+# 8,192-token context on the H200: 5.43-5.48 ms a step without the pause, 5.13 ms with it; the GPU's clocks after the
+# prefill are the likely cause, not read)
 DECODE_SETTLE_SECONDS = 1.0
 
 
@@ -71,7 +70,7 @@ class BenchReport:
 def _timed(device: torch.device, work, repeats: int = 5) -> float:
     """Median seconds of `work()` after one warm-up call. On CUDA each call is timed by device events around it, so
     no host launch or synchronisation time enters a short measurement (timed by the host clock, the 0.25 ms
-    bandwidth read gave 3.78 and 4.11 TB/s in two runs on one H200: docs/performance.md); elsewhere by the host
+    bandwidth read gave 3.78 and 4.11 TB/s in two runs on one H200); elsewhere by the host
     clock."""
     work()
     synchronize(device)
@@ -122,8 +121,8 @@ def _state_bytes(llm: LLM, length: int) -> int:
     and the recurrent (fp32, or as the fast path pools it) plus conv state of the GDN layers."""
     c = llm.model.config
     element = torch.empty((), dtype=llm.dtype).element_size()
-    cache = getattr(llm.model, "cache", None)
-    kv_element = getattr(cache, "kv_element_bytes", element)
+    cache = llm.model.cache if llm.fast else None  # the packed model's pools, in their own dtypes
+    kv_element = cache.kv_element_bytes if cache is not None else element
     state_element = cache.recurrent.element_size() if cache is not None else 4
     attention = sum(1 for t in c.layer_types if t == FULL_ATTENTION)
     gdn = c.layers - attention
@@ -174,30 +173,31 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
             if length + new_tokens > llm.max_context:
                 raise NinferError(f"prompt {length} + {new_tokens} new tokens exceed the context {llm.max_context}")
             ids = torch.randint(0, vocab, (length,), generator=generator).to(device)
-            seconds = _timed(device, lambda ids=ids, n=length: model.forward(ids, model.new_state(n)), repeats=3)
+            seconds = _timed(device, lambda ids=ids, n=length: _prefill_once(model, ids, n), repeats=3)
             floor = _prefill_flops(llm, length) / limits.matmul_flops_per_second
             report.prefill.append({"tokens": length, "seconds": seconds, "tokens_per_second": length / seconds,
                                    "fraction_of_matmul_limit": floor / seconds})
         context = min(prompt_lengths)
-        if llm.fast:  # largest first, as a server's warm-up captures them, so the graphs' memory is a server's
-            model.capture_graphs(batch_sizes)
+        model.prepare(batch_sizes)  # the graphs, largest first as a server's warm-up captures them
         for batch in batch_sizes:
             states, first = [], []
             for _ in range(batch):
                 state = model.new_state(context + new_tokens + 1)
                 ids = torch.randint(0, vocab, (context,), generator=generator).to(device)
-                first.append(model.forward(ids, state).argmax())
+                first.append(model.prefill(ids, state).argmax())
                 states.append(state)
             tokens = torch.stack(first)
-            model.decode_batch(states, tokens)  # warm-up
+            model.decode(states, tokens)  # warm-up
             synchronize(device)
             if device.type == "cuda":
                 time.sleep(DECODE_SETTLE_SECONDS)
             started = time.perf_counter()
             for _ in range(new_tokens - 1):
-                tokens = model.decode_batch(states, tokens).argmax(-1)
+                tokens = model.decode(states, tokens).argmax(-1)
             synchronize(device)
             seconds = time.perf_counter() - started
+            for state in states:
+                model.free_state(state)
             steps = new_tokens - 1
             step_bytes = _weight_bytes_per_step(llm, batch) + batch * _state_bytes(llm, context + new_tokens // 2)
             floor = step_bytes / limits.read_bytes_per_second
@@ -208,8 +208,16 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
                                   "fraction_of_bandwidth_limit": floor / (seconds / steps)})
     if device.type == "cuda":
         report.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
-        report.graph_memory_bytes = getattr(model, "graph_bytes", 0)
+        report.graph_memory_bytes = model.graph_bytes if llm.fast else 0
     return report
+
+
+def _prefill_once(model: Model, ids: torch.Tensor, capacity: int) -> torch.Tensor:
+    state = model.new_state(capacity)
+    try:
+        return model.prefill(ids, state)
+    finally:
+        model.free_state(state)
 
 
 def format_report(report: BenchReport) -> str:

@@ -39,13 +39,15 @@ class EvalError(NinferError):
 
 
 class LogitModel(Protocol):
-    """What the evaluation needs of a model (`ninfer.model.qwen3_5.Qwen35Model` has it)."""
+    """What the evaluation needs of a model: a part of the `ninfer.model.protocol.Model` protocol."""
 
     device: torch.device
 
     def new_state(self, capacity: int) -> Any: ...
 
-    def forward(self, ids: torch.Tensor, state: Any, all_logits: bool = False) -> torch.Tensor: ...
+    def free_state(self, state: Any) -> None: ...
+
+    def prefill(self, ids: torch.Tensor, state: Any, all_logits: bool = False) -> torch.Tensor: ...
 
 
 class Window(NamedTuple):
@@ -186,20 +188,24 @@ def _window_logits(model: LogitModel, ids: torch.Tensor, window: Window,
     calls that hold no scored position without the head."""
     begin, end, score_from = window
     state = model.new_state(end - begin)
-    for start in range(begin, end, tile):
-        stop = min(start + tile, end)
-        if stop < score_from:  # logits at inputs [start, stop) predict only unscored positions
-            model.forward(ids[start:stop].to(model.device), state)
-            continue
-        logits = model.forward(ids[start:stop].to(model.device), state, all_logits=True)
-        first = max(start, score_from - 1)  # the input whose logits predict the first scored target here
-        targets = ids[first + 1 : min(stop + 1, end)]  # the last input predicts beyond the window
-        if len(targets) == 0:
-            continue
-        logits = logits[first - start : first - start + len(targets)]
-        if int(targets.max()) >= logits.shape[-1]:
-            raise EvalError(f"token id {int(targets.max())} is outside the model's vocabulary of {logits.shape[-1]}")
-        yield targets, logits
+    try:
+        for start in range(begin, end, tile):
+            stop = min(start + tile, end)
+            if stop < score_from:  # logits at inputs [start, stop) predict only unscored positions
+                model.prefill(ids[start:stop].to(model.device), state)
+                continue
+            logits = model.prefill(ids[start:stop].to(model.device), state, all_logits=True)
+            first = max(start, score_from - 1)  # the input whose logits predict the first scored target here
+            targets = ids[first + 1 : min(stop + 1, end)]  # the last input predicts beyond the window
+            if len(targets) == 0:
+                continue
+            logits = logits[first - start : first - start + len(targets)]
+            if int(targets.max()) >= logits.shape[-1]:
+                raise EvalError(f"token id {int(targets.max())} is outside the model's vocabulary of "
+                                f"{logits.shape[-1]}")
+            yield targets, logits
+    finally:
+        model.free_state(state)
 
 
 def _nll(logp: torch.Tensor, targets: torch.Tensor) -> float:

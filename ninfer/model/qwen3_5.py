@@ -40,10 +40,16 @@ class SequenceState:
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     conv: dict[int, torch.Tensor | None] = field(default_factory=dict)
     recurrent: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    pending: int = 0  # draft tokens of a verify step not yet accepted or rejected
+    verified: list[dict[tuple[str, int], torch.Tensor]] = field(default_factory=list)  # the state after each
 
 
 class Qwen35Model:
-    """Qwen3.5 text model on the reference operations. `forward(ids, state)` appends `ids` to the sequence."""
+    """Qwen3.5 text model on the reference operations, implementing the `Model` protocol directly (one sequence
+    after another; every sequence keeps its own tensors). `prefill(ids, state)` appends `ids` to the sequence."""
+
+    max_batch = None  # any number of sequences per decode step
+    page = 1  # a sequence's KV rows are allocated to its capacity exactly
 
     def __init__(self, config: TextConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype):
@@ -52,6 +58,7 @@ class Qwen35Model:
         self.device = device
         self.dtype = dtype
         self.head = weights["output_head"] if "output_head" in weights else weights["token_embedding"]
+        self.kv_capacity: int | None = None  # set by the loader: KV positions the engine may reserve in all
 
     @classmethod
     def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cpu",
@@ -80,6 +87,13 @@ class Qwen35Model:
                 state.recurrent[i] = None
         return state
 
+    def free_state(self, state: SequenceState) -> None:
+        """Drop the sequence's tensors (they are plain tensors: memory returns when the last reference goes)."""
+        state.keys.clear()
+        state.values.clear()
+        state.conv.clear()
+        state.recurrent.clear()
+
     def snapshot(self, state: SequenceState) -> dict[tuple[str, int], torch.Tensor]:
         """Copies of a sequence's state (KV rows up to its length, conv and recurrent state): prefix reuse."""
         tensors: dict[tuple[str, int], torch.Tensor] = {}
@@ -101,6 +115,22 @@ class Qwen35Model:
                 getattr(state, kind)[layer] = tensor.to(self.device).clone()
         state.length = length
 
+    def release_snapshot(self, snapshot: dict[tuple[str, int], torch.Tensor]) -> None:
+        """Snapshots are plain tensors here: nothing to give back."""
+
+    def set_reclaim(self, reclaim) -> None:
+        """No shared pools here: nothing to reclaim."""
+
+    def prepare(self, batch_sizes) -> None:
+        """Nothing is captured on the reference path."""
+
+    def warm_up(self, max_batch: int | None = None) -> float:
+        """Nothing to compile on the reference path."""
+        return 0.0
+
+    def describe_memory(self) -> str | None:
+        return None
+
     @property
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.weights.values())
@@ -112,14 +142,38 @@ class Qwen35Model:
 
     # -- the forward pass ------------------------------------------------------------------------------------
 
-    def decode_batch(self, states: list[SequenceState], ids: torch.Tensor) -> torch.Tensor:
+    def decode(self, states: list[SequenceState], ids: torch.Tensor) -> torch.Tensor:
         """One token for each sequence: logits `[B, V]` (the reference runs them one after another)."""
-        return torch.stack([self.forward(ids[i : i + 1], state) for i, state in enumerate(states)])
+        return torch.stack([self.prefill(ids[i : i + 1], state) for i, state in enumerate(states)])
+
+    def verify(self, states: list[SequenceState], ids: torch.Tensor) -> torch.Tensor:
+        """T draft tokens `ids` `[B, T]` appended to each of B sequences, one token at a time, keeping a copy of
+        each sequence's state after every token for `accept`: logits `[B, T, V]`."""
+        rows = []
+        for state, drafts in zip(states, ids, strict=True):
+            if state.pending:
+                raise ValueError("accept the previous verify step before the next one")
+            logits, state.verified = [], []
+            for token in drafts:
+                logits.append(self.prefill(token.view(1), state))
+                state.verified.append(self.snapshot(state))
+            state.pending = len(drafts)
+            rows.append(torch.stack(logits))
+        return torch.stack(rows)
+
+    def accept(self, states: list[SequenceState], accepted: list[int]) -> None:
+        """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step."""
+        for state, count in zip(states, accepted, strict=True):
+            if not 1 <= count <= state.pending:
+                raise ValueError(f"accept 1..{state.pending} tokens of the verify step, not {count}")
+            if count < state.pending:
+                self.restore(state, state.length - state.pending + count, state.verified[count - 1])
+            state.pending, state.verified = 0, []
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weights["token_embedding"][ids]
 
-    def forward(self, ids: torch.Tensor, state: SequenceState, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, state: SequenceState, all_logits: bool = False) -> torch.Tensor:
         """Logits (fp32) of the last new position `[V]`, or of every new position `[T, V]` with `all_logits`."""
         hidden = self.hidden_states(ids, state)
         last = hidden if all_logits else hidden[-1]

@@ -20,9 +20,6 @@ SHUTDOWN_GRACE_SECONDS = 10
 log = logging.getLogger("ninfer.serve")
 
 
-SERVE_PREFILL_CHUNK = 512  # prompt tokens per engine step while other streams decode: they go on between chunks
-
-
 def model_id_of(path: Path) -> str:
     """The id a served artifact answers to by default: its metadata `name`, else the file name without suffix."""
     from ninfer.artifact.reader import Artifact
@@ -49,29 +46,22 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve_command(args: argparse.Namespace) -> int:
     """Run the server described by the `ninfer serve` flags; returns the exit code."""
-    import torch
     import uvicorn
 
-    from ninfer.engine.llm import DEFAULT_ARTIFACT, LLM, PREFILL_CHUNK
-    from ninfer.engine.scheduler import Engine
+    from ninfer.config import from_args
+    from ninfer.engine import LLM
+    from ninfer.engine.llm import DEFAULT_ARTIFACT
     from ninfer.serve.app import ServeConfig, create_app
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = args.model if args.model is not None else DEFAULT_ARTIFACT
     if not path.is_file():
         raise NinferError(f"{path}: no such file")
+    config = from_args(args, sequences=args.max_concurrency)
     sock = bind(args.host, args.port)
     try:
-        dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-        llm = LLM(path, device=args.device, dtype=dtype, max_context=args.max_context, runner=args.runner,
-                  kv_dtype=args.kv_dtype, state_dtype=args.state_dtype, max_sequences=args.max_concurrency,
-                  kv_capacity=args.kv_capacity if isinstance(args.kv_capacity, int) else None,
-                  prefill_chunk=args.prefill_chunk or PREFILL_CHUNK)
-        kv_capacity = (Engine.plan_kv_capacity(llm, args.max_concurrency) if args.kv_capacity == "auto"
-                       else args.kv_capacity)
-        engine = Engine(llm, max_concurrency=args.max_concurrency, max_pending=args.max_pending,
-                        queue_timeout=args.queue_timeout, kv_capacity=kv_capacity,
-                        prefill_chunk=args.prefill_chunk or SERVE_PREFILL_CHUNK)
+        llm = LLM(path, config)
+        engine = llm.engine
         config = ServeConfig(model_id=args.model_id or model_id_of(path), api_key=args.api_key,
                              default_max_tokens=args.default_max_tokens, cors=args.cors,
                              request_log=args.request_log_jsonl, default_thinking=not args.no_thinking,
@@ -82,7 +72,7 @@ def serve_command(args: argparse.Namespace) -> int:
                  "fast" if llm.fast else "reference", llm.max_context, args.max_concurrency, engine.kv_capacity,
                  llm.load_seconds)
         if llm.fast:
-            log.info("memory plan: %s", llm.model.plan.describe())
+            log.info("memory plan: %s", llm.model.describe_memory())
             log.info("warming up: compiling kernels, capturing decode graphs for up to %d sequences",
                      args.max_concurrency)
             log.info("warmed up in %.1f s", llm.model.warm_up(args.max_concurrency))
@@ -115,8 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser, positive_int: Callable[[str],
                         help="sequences decoded together (default %(default)s)")
     parser.add_argument("--max-context", type=positive_int, help="context length (default: the model's)")
     parser.add_argument("--kv-capacity", type=kv_capacity_arg,
-                        help="context tokens over all running sequences, or 'auto' (from free device memory); "
-                             "default: max-concurrency x max-context")
+                        help="context tokens over all running sequences, or 'auto' (the default: on CUDA what the "
+                             "free device memory holds, at most max-concurrency x max-context; on the reference "
+                             "runner max-concurrency x max-context)")
+    parser.add_argument("--interleaved-prefill-chunk", type=positive_int, default=512,
+                        help="prompt tokens a request prefills per engine step while other streams decode, so that "
+                             "they go on between its pieces (default %(default)s)")
     parser.add_argument("--max-pending", type=int, default=64,
                         help="requests that may wait for a slot; more get 429 (default %(default)s)")
     parser.add_argument("--queue-timeout", type=float, default=60.0,

@@ -23,6 +23,6 @@ def llm() -> Iterator[LLM]:
 @pytest.fixture(scope="module")
 def engine(llm: LLM) -> Iterator[Engine]:
     """A started Engine over the `llm` fixture (8 concurrent sequences, 64 waiting), closed afterwards."""
-    engine = Engine(llm, max_concurrency=8, max_pending=64).start()
+    engine = llm.engine_with(max_concurrency=8, max_pending=64).start()
     yield engine
     engine.close()

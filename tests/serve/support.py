@@ -97,7 +97,7 @@ def greedy(llm: LLM, messages: list[dict], max_tokens: int, **options: Any) -> R
 def one_slot_taken(llm: LLM, model_id: str) -> Iterator[tuple[Loopback, Engine]]:
     """A loopback server whose engine has one running slot and one waiting place (queue timeout 2 s), the slot held
     by a long chat stream during the `with` body; the server and the engine are stopped afterwards."""
-    engine = Engine(llm, max_concurrency=1, max_pending=1, queue_timeout=2.0).start()
+    engine = llm.engine_with(max_concurrency=1, max_pending=1, queue_timeout=2.0).start()
     loopback = Loopback(create_app(engine, ServeConfig(model_id=model_id)))
     blocker = {"model": model_id, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                "max_tokens": 4000, "ignore_eos": True, "stream": True}

@@ -371,7 +371,7 @@ def test_cors(engine: Engine) -> None:
 def test_queue_full_and_queue_timeout(llm: LLM) -> None:
     """One running slot, one waiting place: a third request is refused at once (429); the waiting one gives up
     after queue_timeout (503); closing the running stream frees its sequence."""
-    engine = Engine(llm, max_concurrency=1, max_pending=1, queue_timeout=1.0).start()
+    engine = llm.engine_with(max_concurrency=1, max_pending=1, queue_timeout=1.0).start()
     loopback = Loopback(create_app(engine, ServeConfig(model_id=MODEL)))
     url = f"{loopback.url}/v1/chat/completions"
     long = {"model": MODEL, "messages": QUESTION, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}

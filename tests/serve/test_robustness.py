@@ -240,7 +240,7 @@ def test_cancelled_requests_free_their_sequences(llm: LLM) -> None:
     """A stream closed mid-way, a non-streaming request whose client gives up, and a request still waiting in
     the queue are all cancelled: the engine has nothing running or waiting soon after, far sooner than the
     generations (4000 tokens each) or the queue timeout would take."""
-    engine = Engine(llm, max_concurrency=1, max_pending=4, queue_timeout=30).start()
+    engine = llm.engine_with(max_concurrency=1, max_pending=4, queue_timeout=30).start()
     loopback = Loopback(create_app(engine, ServeConfig(model_id=MODEL)))
     url = f"{loopback.url}/v1/chat/completions"
     idle = lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0  # noqa: E731

@@ -21,17 +21,18 @@ buffer freed on either stream is never reused while the other may still use it.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
+
+from ninfer import flags
 
 
 class Branches:
     """A second stream for the independent work of a decode step on `device` (see the module docstring)."""
 
     def __init__(self, device: torch.device):
-        enabled = device.type == "cuda" and os.environ.get("NINFER_BRANCHES") != "0"
+        enabled = device.type == "cuda" and flags.BRANCHES.get()
         self.side = torch.cuda.Stream(device) if enabled else None
         self.pending = False
 

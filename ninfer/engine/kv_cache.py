@@ -1,5 +1,5 @@
-"""Per-sequence state of the GPU fast path: a paged KV pool for the attention layers, a slot pool for the Gated
-DeltaNet conv windows and recurrent states, and the memory plan that sizes both before anything is allocated.
+"""Per-sequence state of the packed GPU model: a paged KV pool for the attention layers and a slot pool for the
+Gated DeltaNet conv windows and recurrent states, with explicit allocation and freeing.
 
 Layout (see ninfer/kernels/paged_attention.py for the page format):
   * KV: per attention layer `key_pages`, `value_pages` `[P, PAGE, kvh, hd]` in the KV dtype (bf16 / int8 / fp8)
@@ -9,155 +9,56 @@ Layout (see ninfer/kernels/paged_attention.py for the page format):
     dtype (fp32, as the models' `mamba_ssm_dtype`, or bf16: half the memory and traffic) over the L GDN layers;
     slot S is scratch; with V = `max_verify_tokens` > 0, slots S + 1 + s·V + t hold sequence slot s's state after
     draft token t of a verify step (the recurrent state cannot be cut back to an accepted prefix).
-A `SlotState` is one sequence's handle; dropping the last reference returns its slot and pages.
+A `SlotState` is one sequence's handle: `allocate` gives it, `free` returns its slot and pages.
 
 Pages are reference-counted so that prefix snapshots share them by content instead of copying them: a snapshot
-holds a `PageLease` on the full pages of its prefix, and a sequence restored from it points its block table at
-those pages (it only ever writes past its restored length, so a shared page is never written). A page returns
-to the free list when no sequence and no lease holds it; when an allocation finds too few free pages it asks
-`reclaim` (the engine's prefix cache) to drop snapshots first.
+holds a `PageLease` on the full pages of its prefix (`release` gives it back), and a sequence restored from it points
+its block table at those pages (it only ever writes past its restored length, so a shared page is never written). A
+page returns to the free list when no sequence and no lease holds it; when an allocation finds too few free pages
+it asks `reclaim` (the engine's prefix cache) to drop snapshots first.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ninfer.engine.memory import KV_DTYPES, PAGE, SCALE_GROUP, STATE_DTYPES
 from ninfer.errors import NinferError
 from ninfer.model.config import FULL_ATTENTION, TextConfig
-
-KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the GDN recurrent state as pooled
-SCALE_GROUP = 64
-PAGE = 64  # positions per KV page
-# the step graphs' buffers in their shared pool (27B on the H200: 14 MiB for the decode graphs of 8 slots, 36 MiB for
-# 64; 50 MiB after `warm_up(8)`, the 15 short-prompt graphs included; `scripts/device/graph_memory.py`); their logits
-# share one buffer, in the workspace
-GRAPH_POOL_BYTES = 64 * 2**20
-
-
-def logit_rows(slots: int, max_verify_tokens: int) -> int:
-    """Rows of the runner's logits buffer, which every decode and verify step's head writes: one per sequence slot,
-    or one per draft token of every slot when verify steps are enabled."""
-    return slots * max(1, max_verify_tokens)
-
-
-class MemoryPlanError(NinferError):
-    """The model, its cache and workspace do not fit in the device memory."""
 
 
 class CacheFullError(NinferError):
     """No free sequence slot or not enough free KV pages for a new sequence."""
 
 
-def kv_bytes_per_token(config: TextConfig, kv_dtype: str) -> int:
-    """Bytes of K and V (and their scales) that one position costs over all attention layers."""
-    layers = sum(1 for t in config.layer_types if t == FULL_ATTENTION)
-    element = torch.empty((), dtype=KV_DTYPES[kv_dtype]).element_size()
-    per_head = config.head_dim * element + (config.head_dim // SCALE_GROUP * 2 if kv_dtype != "bf16" else 0)
-    return layers * 2 * config.kv_heads * per_head
-
-
-def state_bytes_per_slot(config: TextConfig, state_dtype: str = "fp32") -> int:
-    """Bytes of one sequence's GDN conv window (bf16) and recurrent state (in `state_dtype`) over all GDN layers."""
-    layers = sum(1 for t in config.layer_types if t != FULL_ATTENTION)
-    conv = config.conv_dim * (config.conv_kernel - 1) * 2
-    recurrent = config.v_heads * config.k_dim * config.v_dim * STATE_DTYPES[state_dtype].itemsize
-    return layers * (conv + recurrent)
-
-
-@dataclass
-class MemoryPlan:
-    """Bytes of each part of the fast path on the device, decided at start-up."""
-
-    weights: int
-    kv: int
-    state: int
-    workspace: int
-    graphs: int
-    free: int
-    kv_tokens: int
-    slots: int
-    margin: int
-    state_dtype: str = "fp32"
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv + self.state + self.workspace + self.graphs
-
-    def describe(self) -> str:
-        gib = 2**30
-        return (f"weights {self.weights / gib:.2f} GiB + KV {self.kv / gib:.2f} GiB ({self.kv_tokens} tokens) + "
-                f"recurrent state {self.state / gib:.2f} GiB ({self.slots} slots, {self.state_dtype}) + workspace "
-                f"{self.workspace / gib:.2f} GiB + decode graphs {self.graphs / gib:.2f} GiB = "
-                f"{self.total / gib:.2f} GiB of {self.free / gib:.2f} GiB free")
-
-
-def plan_memory(config: TextConfig, weight_bytes: int, free: int, *, slots: int, max_context: int,
-                kv_capacity: int | None, kv_dtype: str, prefill_chunk: int, margin: float = 0.05,
-                page: int = PAGE, max_verify_tokens: int = 0, state_dtype: str = "fp32",
-                decode_graphs: bool = True) -> MemoryPlan:
-    """Size the KV pool: `kv_capacity` tokens when given, else (auto) what is left after the weights, the slots'
-    recurrent state and the workspace, minus a `margin` fraction of the free memory — capped at what `slots`
-    sequences of `max_context` (in whole pages) can use. Raises MemoryPlanError when even one full-context
-    sequence does not fit. `decode_graphs`: whether decode steps are captured as CUDA graphs (their memory is
-    planned only then)."""
-    if state_dtype not in STATE_DTYPES:
-        raise NinferError(f"unknown recurrent-state dtype {state_dtype!r}; use {' or '.join(STATE_DTYPES)}")
-    state = (slots * (1 + max_verify_tokens) + 1) * state_bytes_per_slot(config, state_dtype)
-    per_token = kv_bytes_per_token(config, kv_dtype)
-    # workspace: the largest dequantized prefill matrix, prefill activations (a few [chunk, width] tensors), the
-    # steps' logits buffer and the copy a step returns
-    widths = (config.hidden, config.intermediate or 2 * config.expert_width * max(config.top_k, 1), config.conv_dim,
-              2 * config.heads * config.head_dim)
-    largest_matrix = max(config.vocab * config.hidden, 2 * config.intermediate * config.hidden,
-                         config.conv_dim * config.hidden)
-    logits = 2 * logit_rows(slots, max_verify_tokens) * config.vocab * 4
-    workspace = largest_matrix * 2 + 8 * prefill_chunk * max(widths) * 4 + logits
-    graphs = GRAPH_POOL_BYTES if decode_graphs else 0
-    keep = int(free * margin)
-    room = free - keep - weight_bytes - state - workspace - graphs
-    ceiling = slots * math.ceil(max_context / page) * page
-    tokens = min(ceiling, room // per_token) if kv_capacity is None else kv_capacity
-    plan = MemoryPlan(weight_bytes, tokens * per_token, state, workspace, graphs, free, tokens, slots, keep,
-                      state_dtype)
-    if tokens < max_context or plan.total > free - keep:
-        gib = 2**30
-        raise MemoryPlanError(
-            f"the model does not fit: {plan.describe()} (keeping {keep / gib:.2f} GiB back), and one sequence of "
-            f"{max_context} tokens needs {max_context * per_token / gib:.2f} GiB of KV; lower --max-context, "
-            "--max-concurrency or --kv-capacity, or choose --kv-dtype int8/fp8 or --state-dtype bf16")
-    return plan
-
-
 @dataclass(eq=False)
 class SlotState:
-    """One sequence on the fast path: its state slot, its KV pages and how many positions it holds."""
+    """One sequence in the pools: its state slot, its KV pages and how many positions it holds."""
 
     slot: int
     capacity: int
     pages: list[int]
     length: int = 0
     pending: int = 0  # draft tokens of a verify step not yet accepted or rejected
+    freed: bool = False
 
 
+@dataclass(eq=False)
 class PageLease:
-    """A hold on KV pages (a prefix snapshot's full pages); the pages stay allocated while the lease lives."""
+    """A hold on KV pages (a prefix snapshot's full pages); the pages stay allocated until it is released."""
 
-    def __init__(self, cache: SequenceCache, pages: list[int]):
-        if any(cache.refs[page] == 0 for page in pages):
-            raise ValueError("a lease must be taken on pages a live sequence holds, not on a free page")
-        self.pages = pages
-        for page in pages:
-            cache.refs[page] += 1
-        weakref.finalize(self, cache.unref, list(pages))
+    pages: list[int]
+    released: bool = False
 
 
-class SequenceCache:
+POOL_KINDS = ("key_pages", "value_pages", "key_scales", "value_scales")
+
+
+class KVCache:
     """The device pools, their free lists and page reference counts (host side; the device never reads them)."""
 
     def __init__(self, config: TextConfig, device: torch.device, *, slots: int, kv_tokens: int, max_context: int,
@@ -213,6 +114,8 @@ class SequenceCache:
         """The GDN pool slot that holds sequence slot `slot`'s state after draft token `token` of a verify step."""
         return self.slots + 1 + slot * self.max_verify_tokens + token
 
+    # -- sequences -------------------------------------------------------------------------------------------
+
     def allocate(self, capacity: int) -> SlotState:
         """A fresh sequence of up to `capacity` positions (zeroed GDN state, its pages in its block-table row)."""
         needed = math.ceil(capacity / self.page)
@@ -232,22 +135,35 @@ class SequenceCache:
         self.block_tables[slot].copy_(row)
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
-        state = SlotState(slot, capacity, pages)
-        weakref.finalize(state, self._release, slot, pages)  # `pages` is the state's own (mutable) list
-        return state
+        return SlotState(slot, capacity, pages)
 
-    def _release(self, slot: int, pages: list[int]) -> None:
-        self.free_slots.append(slot)
-        self.unref(pages)
+    def free(self, state: SlotState) -> None:
+        """Return a sequence's slot and its pages (those no lease holds) to the free lists."""
+        if state.freed:
+            raise ValueError(f"sequence slot {state.slot} is already free")
+        state.freed = True
+        self.free_slots.append(state.slot)
+        self._unref(state.pages)
 
-    def unref(self, pages: list[int]) -> None:
+    def _unref(self, pages: list[int]) -> None:
         for page in pages:
             self.refs[page] -= 1
             if self.refs[page] == 0:
                 self.free_pages.append(page)
 
     def lease(self, pages: list[int]) -> PageLease:
-        return PageLease(self, list(pages))
+        """A hold on pages that a live sequence holds (they stay allocated after it is freed, until `release`)."""
+        if any(self.refs[page] == 0 for page in pages):
+            raise ValueError("a lease must be taken on pages a live sequence holds, not on a free page")
+        for page in pages:
+            self.refs[page] += 1
+        return PageLease(list(pages))
+
+    def release(self, lease: PageLease) -> None:
+        if lease.released:
+            raise ValueError("the lease is already released")
+        lease.released = True
+        self._unref(lease.pages)
 
     def share(self, state: SlotState, index: int, page: int) -> None:
         """Make position block `index` of a sequence the (leased) page `page`, giving up its own page there."""
@@ -257,7 +173,57 @@ class SequenceCache:
         self.refs[page] += 1
         state.pages[index] = page
         self.block_tables[state.slot, index] = page
-        self.unref([own])
+        self._unref([own])
+
+    # -- prefix snapshots and speculative steps ---------------------------------------------------------------
+
+    def snapshot(self, state: SlotState) -> dict[tuple[str, int], object]:
+        """A sequence's state for prefix reuse: a lease on its full KV pages (shared, not copied), copies of its
+        partial last page and of its GDN slot."""
+        full = state.length // self.page
+        snapshot: dict[tuple[str, int], object] = {("pages", 0): self.lease(state.pages[:full])}
+        if state.length % self.page:
+            index = torch.tensor(state.pages[full : full + 1], device=self.device)
+            for kind in POOL_KINDS:
+                for layer, pool in getattr(self, kind).items():
+                    snapshot[(kind, layer)] = pool[index].clone()
+        snapshot[("conv", 0)] = self.conv[:, state.slot].clone()
+        snapshot[("recurrent", 0)] = self.recurrent[:, state.slot].clone()
+        return snapshot
+
+    def restore(self, state: SlotState, length: int, snapshot: dict[tuple[str, int], object]) -> None:
+        """Put a `snapshot` of a `length`-token prefix into a fresh state: its block table points at the leased
+        full pages, the partial page and the GDN state are copied."""
+        full = length // self.page
+        for index, page in enumerate(snapshot[("pages", 0)].pages):
+            self.share(state, index, page)
+        for (kind, layer), tensor in snapshot.items():
+            if kind == "conv":
+                self.conv[:, state.slot] = tensor.to(self.device)
+            elif kind == "recurrent":
+                self.recurrent[:, state.slot] = tensor.to(self.device)
+            elif kind != "pages":
+                index = torch.tensor(state.pages[full : full + 1], device=self.device)
+                getattr(self, kind)[layer][index] = tensor.to(self.device)
+        state.length = length
+
+    def release_snapshot(self, snapshot: dict[tuple[str, int], object]) -> None:
+        """Give back the pages a snapshot holds."""
+        self.release(snapshot[("pages", 0)])
+
+    def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
+        """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step: its length drops to
+        that prefix and its GDN state becomes the snapshot after the last kept token (KV rows past the length are
+        simply overwritten later)."""
+        for state, count in zip(states, accepted, strict=True):
+            if not 1 <= count <= state.pending:
+                raise ValueError(f"accept 1..{state.pending} tokens of the verify step, not {count}")
+            if count < state.pending:
+                snapshot = self.verify_slot(state.slot, count - 1)
+                self.conv[:, state.slot] = self.conv[:, snapshot]
+                self.recurrent[:, state.slot] = self.recurrent[:, snapshot]
+            state.length -= state.pending - count
+            state.pending = 0
 
     def dense_kv(self, layer: int, state: SlotState, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Keys and values of positions [0, length) of a sequence as dense `[length, kvh, hd]` in `dtype`."""

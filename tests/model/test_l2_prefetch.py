@@ -12,9 +12,9 @@ import torch
 pytest.importorskip("triton")
 
 from ninfer.artifact.reader import Artifact
-from ninfer.fast.runner import FastQwen35
 from ninfer.kernels.l2_prefetch import LINE_BYTES, LINES, PROGRAMS, L2Prefetch, prefetch_to_l2
 from ninfer.quant import codec_for
+from tests.model.support import packed_model
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
@@ -81,12 +81,12 @@ def test_the_programs_together_issue_every_line_of_every_range_once():
 
 def test_the_runner_prefetches_the_matrices_each_step_reads_next():
     with Artifact.open("ninfer/assets/demo.ninfer") as artifact:
-        fast = FastQwen35.from_artifact(artifact, DEVICE, dtype=torch.float32, max_context=64)
+        fast = packed_model(artifact, DEVICE, dtype=torch.float32, max_context=64)
     c = fast.config
     for i, kind in enumerate(c.layer_types):
         mixer = ["attention/query_key", "attention/gate_value"] if kind == "full_attention" else \
             ["gdn/query_key", "gdn/value_z"]
-        assert fast._inputs_of(i) == [f"layers/{i}/{m}" for m in mixer]
-        assert all(fast.linears[f"layers/{i}/{m}"].packed for m in (*mixer, "mlp/gate_up", "mlp/down")
+        assert fast.model._inputs_of(i) == [f"layers/{i}/{m}" for m in mixer]
+        assert all(fast.model.linears[f"layers/{i}/{m}"].packed for m in (*mixer, "mlp/gate_up", "mlp/down")
                    if not (c.moe and m.startswith("mlp")))
-    assert [fast.linears[n] for n in fast._inputs_of(c.layers)] == [fast.head]
+    assert [fast.model.linears[n] for n in fast.model._inputs_of(c.layers)] == [fast.model.head]

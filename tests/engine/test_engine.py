@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from ninfer.engine.llm import LLM, Finished
-from ninfer.engine.scheduler import Engine, PrefixCache, QueueFullError, QueueTimeoutError, Request
+from ninfer.engine import LLM, Engine, Finished, QueueFullError, QueueTimeoutError, Request
+from ninfer.engine.prefix_cache import PrefixCache
 from ninfer.sampling import SamplingError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -37,7 +37,7 @@ async def _collect(engine: Engine, request: Request):
 def test_concurrent_requests_each_get_their_single_request_output(llm):
     prompts = [llm.tokenizer.encode(f"def function_{i}(x):\n    ") for i in range(8)]
     expected = [llm.generate(ids, GREEDY).token_ids for ids in prompts]
-    engine = Engine(llm, max_concurrency=8, prefill_chunk=4).start()
+    engine = llm.engine_with(max_concurrency=8, interleaved_prefill_chunk=4).start()
     try:
         async def main():
             return await asyncio.gather(*(_collect(engine, Request(ids, GREEDY, thinking=False)) for ids in prompts))
@@ -59,7 +59,7 @@ def test_requests_with_different_sampling_share_steps_and_keep_their_own_draws(l
                              ignore_eos=True)]
     prompts = [llm.tokenizer.encode(f"class Widget{i}:\n    ") for i in range(len(params))]
     expected = [llm.generate(ids, p).token_ids for ids, p in zip(prompts, params, strict=True)]
-    engine = Engine(llm, max_concurrency=4, prefill_chunk=4).start()
+    engine = llm.engine_with(max_concurrency=4, interleaved_prefill_chunk=4).start()
     try:
         async def main():
             return await asyncio.gather(*(_collect(engine, Request(ids, p, thinking=False))
@@ -79,15 +79,15 @@ def test_a_prompt_alone_is_prefilled_at_once_and_in_short_chunks_beside_a_stream
                for i in range(2)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     pieces: list[int] = []
-    forward = llm.model.forward
+    prefill = llm.model.prefill
 
     def recording(ids, state, *args, **kwargs):  # prefill pieces (the reference model decodes through it too)
         if ids.numel() > 1:
             pieces.append(ids.numel())
-        return forward(ids, state, *args, **kwargs)
+        return prefill(ids, state, *args, **kwargs)
 
-    monkeypatch.setattr(llm.model, "forward", recording)
-    engine = Engine(llm, max_concurrency=2, prefill_chunk=8).start()
+    monkeypatch.setattr(llm.model, "prefill", recording)
+    engine = llm.engine_with(max_concurrency=2, interleaved_prefill_chunk=8).start()
     try:
         async def main():
             first = engine.generate(Request(prompts[0], params, thinking=False))
@@ -109,7 +109,7 @@ def test_a_prompt_alone_is_prefilled_at_once_and_in_short_chunks_beside_a_stream
 
 
 def test_a_request_whose_sampling_fails_fails_alone(llm):
-    engine = Engine(llm, max_concurrency=2).start()
+    engine = llm.engine_with(max_concurrency=2).start()
     broken = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={10**7: 1.0})  # an id past the vocabulary
     prompt = llm.tokenizer.encode("x = 1\n")
     try:
@@ -126,7 +126,7 @@ def test_a_request_whose_sampling_fails_fails_alone(llm):
 
 
 def test_cancelling_a_stream_frees_its_sequence(llm):
-    engine = Engine(llm, max_concurrency=2).start()
+    engine = llm.engine_with(max_concurrency=2).start()
     params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
 
     async def main():
@@ -168,12 +168,12 @@ def test_a_full_queue_refuses_and_a_long_wait_times_out(llm):
             with pytest.raises(QueueTimeoutError):
                 await waiting
 
-    engine = Engine(llm, max_concurrency=1, max_pending=1).start()
+    engine = llm.engine_with(max_concurrency=1, max_pending=1).start()
     try:
         asyncio.run(main(engine, QueueFullError))
     finally:
         engine.close()
-    engine = Engine(llm, max_concurrency=1, max_pending=4, queue_timeout=0.1).start()
+    engine = llm.engine_with(max_concurrency=1, max_pending=4, queue_timeout=0.1).start()
     try:
         asyncio.run(main(engine, QueueTimeoutError))
     finally:
@@ -185,7 +185,7 @@ def test_prefix_reuse_across_clients_and_turns_gives_identical_logits(llm):
     first = _chat(llm, system, "Review: def f(): pass")
     second = _chat(llm, system, "Review: class B: ...")
     third = _chat(llm, system, "Review: def f(): pass", "It is fine.", "And now: import os")
-    engine = Engine(llm, max_concurrency=2, prefill_chunk=16).start()
+    engine = llm.engine_with(max_concurrency=2, interleaved_prefill_chunk=16).start()
     try:
         results = [asyncio.run(_collect(engine, Request(ids, GREEDY))) for ids in (first, second, third)]
     finally:
@@ -208,13 +208,13 @@ def test_prefix_reuse_across_clients_and_turns_gives_identical_logits(llm):
             fresh = model.new_state(len(ids))
             start = 0
             for end in ends:
-                fresh_logits = model.forward(torch.tensor(ids[start:end]), fresh)
+                fresh_logits = model.prefill(torch.tensor(ids[start:end]), fresh)
                 start = end
             resumed = model.new_state(len(ids))
             snapshot = engine.cache.get(PrefixCache.key(ids[:boundary]))
             model.restore(resumed, snapshot.length, snapshot.tensors)
             start = boundary
             for end in (e for e in ends if e > boundary):
-                resumed_logits = model.forward(torch.tensor(ids[start:end]), resumed)
+                resumed_logits = model.prefill(torch.tensor(ids[start:end]), resumed)
                 start = end
         assert torch.equal(fresh_logits, resumed_logits)

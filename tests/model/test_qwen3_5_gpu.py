@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer.engine.llm import LLM
+from ninfer.engine import LLM
 from ninfer.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -23,8 +23,8 @@ def test_cuda_logits_and_greedy_tokens_equal_cpu(tmp_path, preset):
     cpu, cuda = LLM(path, dtype=torch.float32), LLM(path, device="cuda", dtype=torch.float32)
     ids = torch.randint(0, 289, (150,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = cpu.model.forward(ids, cpu.model.new_state(150), all_logits=True)
-        logits = cuda.model.forward(ids.cuda(), cuda.model.new_state(150), all_logits=True)
+        expected = cpu.model.prefill(ids, cpu.model.new_state(150), all_logits=True)
+        logits = cuda.model.prefill(ids.cuda(), cuda.model.new_state(150), all_logits=True)
     torch.testing.assert_close(logits.cpu(), expected, atol=FP32_LOGITS_ATOL, rtol=0)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     assert cuda.generate("Hello", greedy).token_ids == cpu.generate("Hello", greedy).token_ids

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from ninfer.engine.llm import LLM, Finished
-from ninfer.engine.scheduler import Engine, PrefixCache, Request, _Snapshot
+from ninfer.engine import LLM, Finished, Request
+from ninfer.engine.prefix_cache import PrefixCache, Snapshot
 from ninfer.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_prefix_cache_spills_to_pinned_host_memory_and_restores_exactly():
     device = torch.device("cuda")
-    snapshots = [_Snapshot(10, {("keys", 3): torch.randn(10, 2, 64, device=device)}) for _ in range(3)]
+    snapshots = [Snapshot(10, {("keys", 3): torch.randn(10, 2, 64, device=device)}) for _ in range(3)]
     size = snapshots[0].nbytes
     cache = PrefixCache(device, device_bytes=2 * size, host_bytes=4 * size)
     for i, snapshot in enumerate(snapshots):
@@ -47,12 +47,12 @@ def test_concurrent_requests_on_cuda_equal_single_runs():
 
         return run
 
-    alone = Engine(llm, max_concurrency=1, prefill_chunk=64).start()
+    alone = llm.engine_with(max_concurrency=1, interleaved_prefill_chunk=64).start()
     try:
         expected = [_gather(collect(alone), [ids])[0] for ids in prompts]
     finally:
         alone.close()
-    engine = Engine(llm, max_concurrency=8, prefill_chunk=64).start()
+    engine = llm.engine_with(max_concurrency=8, interleaved_prefill_chunk=64).start()
     try:
         results = _gather(collect(engine), prompts)
     finally:

@@ -7,7 +7,6 @@ a broken kernel, layout or converter sends the perplexity to hundreds or thousan
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,10 @@ TOKENS = 2048
 PPL_BOUND = 40.0  # measured about 15 (dense) and 12 (MoE) on the whole split; the unigram baseline is hundreds
 MTP_TOP1_BOUND = 0.3  # measured about 0.5; chance is 1/4096
 
-sys.path.insert(0, str(ROOT / "tools"))
-
 
 @pytest.fixture(scope="module")
 def held_out_ids() -> list[int]:
-    from corpus import load_split
+    from tools.corpus import load_split
 
     with open_artifact(DEFAULT_ARTIFACT) as artifact:
         tokenizer = Tokenizer.from_artifact(artifact)

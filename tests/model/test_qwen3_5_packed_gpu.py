@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from ninfer.artifact.reader import Artifact
-from ninfer.fast.runner import SHORT_PREFILL_TOKENS, FastQwen35
+from ninfer.engine.runner import SHORT_PREFILL_TOKENS
 from ninfer.model.qwen3_5 import Qwen35Model
-from tests.fast_support import int8_activations
+from tests.model.support import int8_activations, packed_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -43,7 +43,7 @@ def sliced(request, tmp_path_factory):
     synth_artifact(request.param, "q4", path, quiet=True, layers=4, device="cuda")
     with Artifact.open(path) as artifact:
         reference = Qwen35Model.from_artifact(artifact, "cuda", torch.float32)
-        fast, exact = (FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=2048, prefill_chunk=256,
+        fast, exact = (packed_model(artifact, "cuda", max_sequences=4, max_context=2048, prefill_chunk=256,
                                                 dtype=torch.float32, int8_activations=int8, max_verify_tokens=3)
                        for int8 in (True, False))
     return reference, fast, exact, str(path)
@@ -61,15 +61,15 @@ def _prefill_then_decode(reference, fast, path, int8: bool):
     for p, s in zip(prompts, ref_states, strict=True):  # a short prompt takes the decode kernels: int8 throughout
         with int8_activations(reference, path, head_only=len(p) > SHORT_PREFILL_TOKENS) if int8 \
                 else contextlib.nullcontext():
-            expected.append(reference.forward(p.cuda(), s))
-    got = [fast.forward(p.cuda(), s) for p, s in zip(prompts, fast_states, strict=True)]
+            expected.append(reference.prefill(p.cuda(), s))
+    got = [fast.prefill(p.cuda(), s) for p, s in zip(prompts, fast_states, strict=True)]
     for row, (g, e, p) in enumerate(zip(got, expected, prompts, strict=True)):
         yield "prefill" if len(p) > SHORT_PREFILL_TOKENS else "short prefill", row, g, e
     for step in range(4):
         tokens = torch.stack([e.argmax() for e in expected])
         with int8_activations(reference, path) if int8 else contextlib.nullcontext():
-            expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
-        got = fast.decode_batch(fast_states, tokens)
+            expected = [reference.prefill(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
+        got = fast.decode(fast_states, tokens)
         for row, e in enumerate(expected):
             yield step, row, got[row], e
 
@@ -101,17 +101,17 @@ def test_graph_replay_equals_eager_decode(kv_dtype, state_dtype):
     logits buffer), and a bucket with a padding row, give the eager step's bits."""
     options = dict(max_sequences=10, max_context=512, kv_dtype=kv_dtype, state_dtype=state_dtype)
     with Artifact.open(DEMO) as artifact:
-        graphed = FastQwen35.from_artifact(artifact, "cuda", **options)
-        eager = FastQwen35.from_artifact(artifact, "cuda", **options, graphs=False)
+        graphed = packed_model(artifact, "cuda", **options)
+        eager = packed_model(artifact, "cuda", **options, graphs=False)
     assert graphed.buckets == [1, 2, 3, 4, 5, 6, 7, 8, 10]
     prompts = [torch.arange(5 + 7 * i, 15 + 9 * i, device="cuda") % 1000 for i in range(9)]
     states = {m: [m.new_state(256) for _ in prompts] for m in (graphed, eager)}
-    logits = {m: torch.stack([m.forward(p, s) for p, s in zip(prompts, states[m], strict=True)])
+    logits = {m: torch.stack([m.prefill(p, s) for p, s in zip(prompts, states[m], strict=True)])
               for m in (graphed, eager)}
     assert torch.equal(logits[graphed], logits[eager])
     tokens = logits[eager].argmax(-1)
     for batch in (3, 8, 5, 9, 3, 8, 9, 5):  # 9 replays the bucket-10 graph with one padding row
-        step = {m: m.decode_batch(states[m][:batch], tokens[:batch]) for m in (graphed, eager)}
+        step = {m: m.decode(states[m][:batch], tokens[:batch]) for m in (graphed, eager)}
         assert torch.equal(step[graphed], step[eager]), f"batch {batch}"
         tokens = torch.cat([step[eager].argmax(-1), tokens[batch:]])
     assert set(graphed.graphs) == {3, 5, 8, 10}
@@ -129,13 +129,13 @@ def test_graphed_verify_steps_and_short_prompts_equal_eager_ones(kv_dtype, state
     options = dict(max_sequences=3, max_context=512, kv_dtype=kv_dtype, state_dtype=state_dtype,
                    max_verify_tokens=4)
     with Artifact.open(DEMO) as artifact:
-        graphed = FastQwen35.from_artifact(artifact, "cuda", **options)
-        eager = FastQwen35.from_artifact(artifact, "cuda", **options, graphs=False)
+        graphed = packed_model(artifact, "cuda", **options)
+        eager = packed_model(artifact, "cuda", **options, graphs=False)
     models = (graphed, eager)
     prompts = [torch.arange(5 + 7 * i, 12 + 9 * i, device="cuda") % 1000 for i in range(3)]  # 7, 9 and 11 tokens
     assert all(p.numel() <= SHORT_PREFILL_TOKENS for p in prompts)
     states = {m: [m.new_state(256) for _ in prompts] for m in models}
-    logits = {m: torch.stack([m.forward(p, s) for p, s in zip(prompts, states[m], strict=True)]) for m in models}
+    logits = {m: torch.stack([m.prefill(p, s) for p, s in zip(prompts, states[m], strict=True)]) for m in models}
     assert torch.equal(logits[graphed], logits[eager])
     tokens = logits[eager].argmax(-1)
     for batch, kept in ((3, [1, 4, 2]), (1, [2]), (2, [3, 1]), (3, [4, 4, 1]), (1, [1])):
@@ -145,7 +145,7 @@ def test_graphed_verify_steps_and_short_prompts_equal_eager_ones(kv_dtype, state
         assert torch.equal(verified[graphed], verified[eager]), f"verify {batch} x {drafts}"
         for m in models:
             m.accept(states[m][:batch], kept)
-        step = {m: m.decode_batch(states[m][:batch], tokens[:batch]) for m in models}
+        step = {m: m.decode(states[m][:batch], tokens[:batch]) for m in models}
         assert torch.equal(step[graphed], step[eager]), f"decode after verify {batch} x {drafts}"
         tokens = torch.cat([step[eager].argmax(-1), tokens[batch:]])
     assert set(graphed.step_graphs) == {(1, 7, False), (1, 9, False), (1, 11, False), (3, 4, True), (1, 2, True),
@@ -160,24 +160,23 @@ def test_a_decode_step_with_ids_on_the_device_never_waits_for_the_device():
     debug mode raises on any synchronising call), so the host can queue the next step while this one runs; the
     logits equal those of the same steps fed the ids from the host."""
     with Artifact.open(DEMO) as artifact:
-        model = FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=512)
+        model = packed_model(artifact, "cuda", max_sequences=4, max_context=512)
     prompts = [torch.arange(5, 40, device="cuda"), torch.arange(100, 110, device="cuda")]
     runs = []
     for on_device in (True, False):
         states = [model.new_state(256) for _ in prompts]
-        tokens = torch.stack([model.forward(p, s) for p, s in zip(prompts, states, strict=True)]).argmax(-1)
-        model.decode_batch(states, tokens)  # the first call captures the graph (which synchronises)
+        tokens = torch.stack([model.prefill(p, s) for p, s in zip(prompts, states, strict=True)]).argmax(-1)
+        model.decode(states, tokens)  # the first call captures the graph (which synchronises)
         steps = []
         torch.cuda.set_sync_debug_mode("error" if on_device else "default")
         try:
             for _ in range(4):
-                logits = model.decode_batch(states, tokens if on_device else tokens.cpu())
+                logits = model.decode(states, tokens if on_device else tokens.cpu())
                 tokens = logits.argmax(-1)
                 steps.append(logits)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         runs.append(torch.stack(steps))
-        del states
     assert torch.equal(runs[0], runs[1])
 
 
@@ -188,17 +187,17 @@ def test_long_greedy_generation_equals_the_reference():
     the next test's.)"""
     with Artifact.open(DEMO) as artifact:
         reference = Qwen35Model.from_artifact(artifact, "cuda", torch.float32)
-        fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=1, max_context=1024, dtype=torch.float32,
+        fast = packed_model(artifact, "cuda", max_sequences=1, max_context=1024, dtype=torch.float32,
                                         int8_activations=False)
     prompt = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], device="cuda")
     tokens = {}
     for model in (reference, fast):
         state = model.new_state(512)
-        logits = model.forward(prompt, state)
+        logits = model.prefill(prompt, state)
         out = []
         for _ in range(200):
             out.append(int(logits.argmax()))
-            logits = model.forward(torch.tensor(out[-1:], device="cuda"), state)
+            logits = model.prefill(torch.tensor(out[-1:], device="cuda"), state)
         tokens[model] = out
     pairs = enumerate(zip(tokens[reference], tokens[fast], strict=True))
     agree = next((i for i, (a, b) in pairs if a != b), 200)
@@ -211,13 +210,13 @@ def test_int8_activations_keep_the_exact_models_next_token_choices():
     divergence of the next-token distributions."""
     with Artifact.open(DEMO) as artifact:
         reference = Qwen35Model.from_artifact(artifact, "cuda", torch.float32)
-        fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=1, max_context=512)
+        fast = packed_model(artifact, "cuda", max_sequences=1, max_context=512)
     ref_state, fast_state = reference.new_state(512), fast.new_state(512)
-    reference.forward(torch.arange(1, 11, device="cuda"), ref_state)
-    fast.forward(torch.arange(1, 11, device="cuda"), fast_state)
+    reference.prefill(torch.arange(1, 11, device="cuda"), ref_state)
+    fast.prefill(torch.arange(1, 11, device="cuda"), fast_state)
     token, agree, divergence = torch.tensor([11], device="cuda"), 0, 0.0
     for _ in range(300):
-        expected, got = reference.forward(token, ref_state), fast.forward(token, fast_state).float()
+        expected, got = reference.prefill(token, ref_state), fast.prefill(token, fast_state).float()
         agree += int(expected.argmax() == got.argmax())
         divergence += float(torch.nn.functional.kl_div(got.log_softmax(-1), expected.log_softmax(-1), log_target=True,
                                                        reduction="sum"))
@@ -227,8 +226,8 @@ def test_int8_activations_keep_the_exact_models_next_token_choices():
 
 
 def test_prefill_delta_rule_in_bf16_matches_the_fp32_reference():
-    from ninfer.fast.runner import delta_rule_prefill
     from ninfer.kernels.gated_delta_rule import gated_delta_rule_chunked, l2_normalize
+    from ninfer.model.qwen3_5_packed import delta_rule_prefill
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     tokens, heads, dim = 1000, 48, 128  # the 27B's value heads (keys already repeated)
@@ -251,21 +250,21 @@ def test_real_shape_verify_equals_decode_bit_for_bit(sliced):
     drafts = torch.tensor([[7, 8, 9]], device="cuda")
     verified, stepped = fast.new_state(64), fast.new_state(64)
     for state in (verified, stepped):
-        fast.forward(prompt, state)
+        fast.prefill(prompt, state)
     logits = fast.verify([verified], drafts)
-    expected = torch.stack([fast.decode_batch([stepped], drafts[:, t]) for t in range(3)], dim=1)
+    expected = torch.stack([fast.decode([stepped], drafts[:, t]) for t in range(3)], dim=1)
     assert torch.equal(logits, expected)
 
 
 def test_verify_step_equals_token_by_token_decode_on_cuda():
     with Artifact.open(DEMO) as artifact:
-        fast = FastQwen35.from_artifact(artifact, "cuda", max_sequences=4, max_context=512, dtype=torch.float32,
+        fast = packed_model(artifact, "cuda", max_sequences=4, max_context=512, dtype=torch.float32,
                                         max_verify_tokens=4)
     prompt = torch.arange(5, 30, device="cuda")
     drafts = torch.tensor([[7, 8, 9, 10], [40, 41, 42, 43]], device="cuda")
     verified, stepped = [fast.new_state(64) for _ in range(2)], [fast.new_state(64) for _ in range(2)]
     for state in verified + stepped:
-        fast.forward(prompt, state)
+        fast.prefill(prompt, state)
     logits = fast.verify(verified, drafts)
-    expected = torch.stack([fast.decode_batch(stepped, drafts[:, t]) for t in range(4)], dim=1)
+    expected = torch.stack([fast.decode(stepped, drafts[:, t]) for t in range(4)], dim=1)
     assert _relative(logits, expected) < FP32_TOLERANCE

@@ -83,11 +83,11 @@ def test_cached_decode_equals_uncached_forward(models, variant):
     ours, _ = models[variant]
     ids = _prompt(LONG + 10, seed=1)
     with torch.no_grad():
-        full = ours.forward(ids, ours.new_state(ids.numel()), all_logits=True)
+        full = ours.prefill(ids, ours.new_state(ids.numel()), all_logits=True)
         state = ours.new_state(ids.numel())
-        steps = [ours.forward(ids[:LONG], state, all_logits=True)]
-        steps += [ours.forward(ids[i : i + 1], state, all_logits=True) for i in range(LONG, LONG + 6)]
-        steps.append(ours.forward(ids[LONG + 6 :], state, all_logits=True))  # a multi-token continuation
+        steps = [ours.prefill(ids[:LONG], state, all_logits=True)]
+        steps += [ours.prefill(ids[i : i + 1], state, all_logits=True) for i in range(LONG, LONG + 6)]
+        steps.append(ours.prefill(ids[LONG + 6 :], state, all_logits=True))  # a multi-token continuation
     assert state.length == ids.numel()
     torch.testing.assert_close(torch.cat(steps), full, atol=FP32_LOGITS_ATOL, rtol=0)
 
@@ -99,12 +99,12 @@ def test_greedy_tokens_equal_transformers_generate(models, variant):
     with torch.no_grad():
         expected = hf.generate(input_ids=prompt[None], max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 20:]
         state = ours.new_state(40)
-        logits = ours.forward(prompt, state)
+        logits = ours.prefill(prompt, state)
         tokens = []
         for _ in range(12):
             token = int(torch.argmax(logits))
             tokens.append(token)
-            logits = ours.forward(torch.tensor([token]), state)
+            logits = ours.prefill(torch.tensor([token]), state)
     assert tokens == expected.tolist()
 
 
@@ -120,8 +120,8 @@ def test_bf16_path_is_as_accurate_as_transformers_bf16(tmp_path, moe):
     ids = _prompt(LONG, seed=3)
     theirs, _ = _reference(build_model(spec), ids)
     with torch.no_grad():
-        logits = ours.forward(ids, ours.new_state(LONG), all_logits=True)
-        reference = exact.forward(ids, exact.new_state(LONG), all_logits=True)
+        logits = ours.prefill(ids, ours.new_state(LONG), all_logits=True)
+        reference = exact.prefill(ids, exact.new_state(LONG), all_logits=True)
 
     def relative(a: torch.Tensor) -> float:
         return float((a - reference).norm() / reference.norm())
@@ -133,11 +133,7 @@ def test_bf16_path_is_as_accurate_as_transformers_bf16(tmp_path, moe):
 @pytest.mark.parametrize("moe", [False, True])
 def test_mtp_head_matches_the_transformers_layer_form(tmp_path, moe):
     """Our MTP head against the training script's MTPHead (transformers' decoder layer) with the same weights."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    from train_small import MTPHead
+    from tools.train_small import MTPHead
 
     spec = CheckpointSpec(moe=moe, vision=False)
     state = write_checkpoint(tmp_path / "ck", spec, byte_tokenizer_files(VOCAB_SIZE))

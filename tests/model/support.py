@@ -16,6 +16,9 @@ import pytest
 import torch
 
 from ninfer.artifact.reader import Artifact
+from ninfer.config import CacheConfig
+from ninfer.engine.load import load_packed
+from ninfer.engine.runner import GraphRunner
 from ninfer.kernels.activation_quant import dequantize_activations, quantize_activations_reference
 from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS
 from ninfer.model.qwen3_5 import Qwen35Model
@@ -69,3 +72,34 @@ def small_artifact(path, recipe: str = "q8", moe: bool = False) -> str:
         patch.setitem(synth.PRESETS, "test-small", config)
         synth.synth_artifact("test-small", recipe, path, quiet=True)
     return str(path)
+
+
+def packed_model(artifact: Artifact, device: str | torch.device, *, dtype: torch.dtype = torch.bfloat16,
+                 max_sequences: int = 8, max_context: int = 32768, kv_capacity: int | None = None,
+                 kv_dtype: str = "bf16", state_dtype: str = "fp32", prefill_chunk: int = 4096, graphs: bool = True,
+                 max_verify_tokens: int = 0, int8_activations: bool = True) -> GraphRunner:
+    """The packed model behind its graph runner on any device (the CPU under the Triton interpreter included)."""
+    cache = CacheConfig(kv_dtype=kv_dtype, state_dtype=state_dtype, kv_capacity=kv_capacity, sequences=max_sequences,
+                        max_context=max_context, prefill_chunk=prefill_chunk)
+    model = load_packed(artifact, cache, max_context, torch.device(device), dtype, graphs=graphs,
+                        max_verify_tokens=max_verify_tokens, int8_activations=int8_activations)
+    allocate = model.new_state
+
+    def tracked(capacity: int):
+        state = allocate(capacity)
+        _LIVE.append((model, state))
+        return state
+
+    model.new_state = tracked
+    return model
+
+
+_LIVE: list = []  # (model, state) of every state the tests' packed models allocated
+
+
+def free_test_states() -> None:
+    """Free the states a test left allocated (models are shared between the tests of a module)."""
+    while _LIVE:
+        model, state = _LIVE.pop()
+        if not state.freed:
+            model.free_state(state)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from ninfer.cli import main
-from ninfer.engine.llm import LLM
+from ninfer.engine import LLM
 from ninfer.eval.bench import Limits, _state_bytes, _weight_bytes_per_step, run_bench
 
 
@@ -52,7 +52,7 @@ def test_state_bytes_follow_the_fast_paths_pools():
     fp32 = _state_bytes(llm, 100)
     for state_dtype, kv_element in ((torch.float32, 1 + 2 / 64), (torch.bfloat16, 4.0)):
         cache = SimpleNamespace(recurrent=torch.empty(0, dtype=state_dtype), kv_element_bytes=kv_element)
-        fast = SimpleNamespace(model=SimpleNamespace(config=c, cache=cache), dtype=llm.dtype)
+        fast = SimpleNamespace(model=SimpleNamespace(config=c, cache=cache), dtype=llm.dtype, fast=True)
         kv = 2 * 2 * 100 * c.kv_heads * c.head_dim  # 2 attention layers x (K and V) elements
         recurrent = 6 * c.v_heads * c.k_dim * c.v_dim * 4  # 6 GDN layers, fp32
         expected = fp32 - kv * 4 + kv * kv_element - (recurrent // 2 if state_dtype == torch.bfloat16 else 0)

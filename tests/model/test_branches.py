@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer.fast.branches import Branches
+from ninfer.model.branches import Branches
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

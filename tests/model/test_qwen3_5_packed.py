@@ -9,7 +9,6 @@ is the integer GEMV too). The same comparisons at real shapes on CUDA are in tes
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
@@ -18,14 +17,14 @@ import torch
 pytest.importorskip("triton")
 
 from ninfer.artifact.reader import Artifact
+from ninfer.engine import runner
+from ninfer.engine.kv_cache import CacheFullError
+from ninfer.engine.memory import MemoryPlanError, plan_memory
 from ninfer.errors import NinferError
-from ninfer.fast import runner
-from ninfer.fast.cache import CacheFullError, MemoryPlanError, plan_memory
-from ninfer.fast.runner import FastQwen35
 from ninfer.kernels import quant_linear
 from ninfer.model.config import TextConfig
 from ninfer.model.qwen3_5 import Qwen35Model
-from tests.fast_support import int8_activations, small_artifact
+from tests.model.support import int8_activations, packed_model, small_artifact
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
 DEMO = "ninfer/assets/demo.ninfer"
@@ -43,7 +42,7 @@ PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3, 8, 12, 13, 40, 41, 42, 43, 44, 45, 46,
 def _models(path, **options):
     with Artifact.open(path) as artifact:
         reference = Qwen35Model.from_artifact(artifact, DEVICE, torch.float32)
-        fast = FastQwen35.from_artifact(artifact, DEVICE, dtype=torch.float32, max_context=128, **options)
+        fast = packed_model(artifact, DEVICE, dtype=torch.float32, max_context=128, **options)
     return reference, fast
 
 
@@ -55,12 +54,12 @@ def _prompt_then_one_step_error(reference, fast, path) -> float:
     """PROMPT through both models, then one decode step of the reference's greedy token (the reference with int8
     activations, as the fast path's decode step): the step's largest logit error relative to the largest logit."""
     ref_state, fast_state = reference.new_state(64), fast.new_state(64)
-    expected = reference.forward(torch.tensor(PROMPT), ref_state)
-    fast.forward(torch.tensor(PROMPT), fast_state)
+    expected = reference.prefill(torch.tensor(PROMPT), ref_state)
+    fast.prefill(torch.tensor(PROMPT), fast_state)
     token = torch.tensor([int(expected.argmax())])
     with int8_activations(reference, path):
-        expected = reference.forward(token, ref_state)
-    return _relative(fast.forward(token, fast_state), expected)
+        expected = reference.prefill(token, ref_state)
+    return _relative(fast.prefill(token, fast_state), expected)
 
 
 def _greedy_alone(fast, ids: list[int], tokens: int, ends: list[int] | None = None) -> list[int]:
@@ -69,13 +68,12 @@ def _greedy_alone(fast, ids: list[int], tokens: int, ends: list[int] | None = No
     state = fast.new_state(len(ids) + tokens)
     start = 0
     for end in ends or [len(ids)]:
-        logits = fast.forward(torch.tensor(ids[start:end]), state)
+        logits = fast.prefill(torch.tensor(ids[start:end]), state)
         start = end
     out = [int(logits.argmax())]
     while len(out) < tokens:
-        out.append(int(fast.decode_batch([state], torch.tensor(out[-1:]))[0].argmax()))
-    del state
-    gc.collect()
+        out.append(int(fast.decode([state], torch.tensor(out[-1:]))[0].argmax()))
+    fast.free_state(state)
     return out
 
 
@@ -109,10 +107,10 @@ def test_chunked_prefill_and_batched_decode_equal_the_reference(dense, paths, mo
     ref_states = [reference.new_state(64) for _ in prompts]
     fast_states = [fast.new_state(64) for _ in prompts]
     with int8_activations(reference, paths["dense"], head_only=True):
-        expected = [reference.forward(prompts[0], ref_states[0])]
+        expected = [reference.prefill(prompts[0], ref_states[0])]
     with int8_activations(reference, paths["dense"]):
-        expected.append(reference.forward(prompts[1], ref_states[1]))
-    got = [fast.forward(p, s) for p, s in zip(prompts, fast_states, strict=True)]
+        expected.append(reference.prefill(prompts[1], ref_states[1]))
+    got = [fast.prefill(p, s) for p, s in zip(prompts, fast_states, strict=True)]
     assert _relative(got[0], expected[0]) < FP32_TOLERANCE
     assert _relative(got[1], expected[1]) < DECODE_TOLERANCE
     staged = []  # the rows each step stages besides its ids: the second decode step of the same sequences needs none
@@ -121,8 +119,8 @@ def test_chunked_prefill_and_batched_decode_equal_the_reference(dense, paths, mo
     for step in range(2):
         tokens = torch.tensor([int(e.argmax()) for e in expected])
         with int8_activations(reference, paths["dense"]):
-            expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
-        got = fast.decode_batch(fast_states, tokens)
+            expected = [reference.prefill(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
+        got = fast.decode(fast_states, tokens)
         for row, e in enumerate(expected):
             assert _relative(got[row], e) < DECODE_TOLERANCE, f"decode step {step}, sequence {row}"
     assert staged == [2, 0]
@@ -138,26 +136,26 @@ def test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one(model, 
     _, fast = request.getfixturevalue(model)
     short, stepped = fast.new_state(64), fast.new_state(64)
     if head:
-        fast.forward(torch.tensor(head), short)
-        fast.forward(torch.tensor(head), stepped)
+        fast.prefill(torch.tensor(head), short)
+        fast.prefill(torch.tensor(head), stepped)
     piece = torch.tensor(PROMPT[20:23])
     assert 1 < len(piece) <= SHORT
-    got = fast.forward(piece, short)
+    got = fast.prefill(piece, short)
     for token in piece:
-        expected = fast.decode_batch([stepped], token[None])[0]
+        expected = fast.decode([stepped], token[None])[0]
     assert torch.equal(got, expected) and short.length == stepped.length
-    assert torch.equal(fast.forward(torch.tensor([3]), short), fast.forward(torch.tensor([3]), stepped))
+    assert torch.equal(fast.prefill(torch.tensor([3]), short), fast.prefill(torch.tensor([3]), stepped))
 
 
 def test_snapshot_restore_continues_like_the_original(dense):
     _, fast = dense
     original = fast.new_state(64)
-    fast.forward(torch.tensor(PROMPT[:10]), original)
+    fast.prefill(torch.tensor(PROMPT[:10]), original)
     saved = fast.snapshot(original)
-    expected = fast.forward(torch.tensor(PROMPT[10:14]), original)
+    expected = fast.prefill(torch.tensor(PROMPT[10:14]), original)
     copy = fast.new_state(64)
     fast.restore(copy, 10, saved)
-    got = fast.forward(torch.tensor(PROMPT[10:14]), copy)
+    got = fast.prefill(torch.tensor(PROMPT[10:14]), copy)
     assert copy.length == 14
     assert torch.equal(got, expected)
 
@@ -167,35 +165,35 @@ def test_warm_up_captures_every_bucket_and_leaves_the_pools_as_they_were(dense, 
     if DEVICE == "cpu":  # each interpreted prompt takes seconds: fewer lengths of both routes, the same bookkeeping
         monkeypatch.setattr(runner, "SHORT_PREFILL_TOKENS", 2)
         monkeypatch.setattr(runner, "WARM_UP_LENGTHS", (17,))
-    gc.collect()
     before, during = fast.new_state(64), fast.new_state(64)
-    fast.forward(torch.tensor(PROMPT[:10]), before)
-    fast.forward(torch.tensor(PROMPT[:10]), during)
-    expected = fast.decode_batch([before], torch.tensor([7]))
+    fast.prefill(torch.tensor(PROMPT[:10]), before)
+    fast.prefill(torch.tensor(PROMPT[:10]), during)
+    expected = fast.decode([before], torch.tensor([7]))
     free_slots, free_pages = len(fast.cache.free_slots), len(fast.cache.free_pages)
     # interpreted, one decode step per bucket would cost seconds each: the bucket of one only (no graphs on the CPU)
     assert fast.warm_up(max_batch=1 if DEVICE == "cpu" else None) > 0
-    gc.collect()
     assert (len(fast.cache.free_slots), len(fast.cache.free_pages)) == (free_slots, free_pages)
     if fast.use_graphs:  # (earlier tests of the module may have captured others)
-        assert {b for b in fast.buckets if b <= free_slots} <= set(fast.graphs)
-    assert torch.equal(fast.decode_batch([during], torch.tensor([7])), expected)  # its pages and GDN slot untouched
+        decode_graphs = {batch for batch, tokens, verify in fast.graphs if (tokens, verify) == (1, False)}
+        assert {b for b in fast.buckets if b <= free_slots} <= decode_graphs
+    assert torch.equal(fast.decode([during], torch.tensor([7])), expected)  # its pages and GDN slot untouched
 
 
-def test_slots_are_bounded_and_returned_when_a_state_is_dropped(dense):
+def test_slots_are_bounded_and_returned_when_a_state_is_freed(dense):
     _, fast = dense
-    gc.collect()
     free = len(fast.cache.free_slots)
     states = [fast.new_state(16) for _ in range(free)]
     with pytest.raises(CacheFullError, match="free slots"):
         fast.new_state(16)
     with pytest.raises(CacheFullError, match="exceeds the context"):
         fast.cache.allocate(10_000)
-    del states
-    gc.collect()
+    for state in states:
+        fast.free_state(state)
     assert len(fast.cache.free_slots) == free
+    with pytest.raises(ValueError, match="already free"):
+        fast.free_state(states[0])
     with pytest.raises(ValueError, match="capacity"):
-        fast.forward(torch.tensor(PROMPT), fast.new_state(8))
+        fast.prefill(torch.tensor(PROMPT), fast.new_state(8))
 
 
 def test_moe_prefill_and_decode_routes_equal_the_reference(moe, paths):
@@ -203,13 +201,13 @@ def test_moe_prefill_and_decode_routes_equal_the_reference(moe, paths):
     prompt = torch.tensor(PROMPT * 2)  # chunks of 60 and 20 tokens: the grouped route for both
     ref_state, fast_state = reference.new_state(96), fast.new_state(96)
     with int8_activations(reference, paths["moe"], head_only=True):
-        expected = reference.forward(prompt, ref_state)
-    got = fast.forward(prompt, fast_state)
+        expected = reference.prefill(prompt, ref_state)
+    got = fast.prefill(prompt, fast_state)
     assert _relative(got, expected) < FP32_TOLERANCE
     token = torch.tensor([int(expected.argmax())])  # a decode step: experts gathered per token
     with int8_activations(reference, paths["moe"]):
-        expected = reference.forward(token, ref_state)
-    assert _relative(fast.forward(token, fast_state), expected) < DECODE_TOLERANCE
+        expected = reference.prefill(token, ref_state)
+    assert _relative(fast.prefill(token, fast_state), expected) < DECODE_TOLERANCE
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
@@ -220,14 +218,14 @@ def test_exact_activations_give_decode_steps_the_references_numerics(model, path
     prompts = [torch.tensor(PROMPT), torch.tensor([9, 8, 7])]
     ref_states = [reference.new_state(64) for _ in prompts]
     fast_states = [fast.new_state(64) for _ in prompts]
-    expected = [reference.forward(p, s) for p, s in zip(prompts, ref_states, strict=True)]
-    got = [fast.forward(p, s) for p, s in zip(prompts, fast_states, strict=True)]
+    expected = [reference.prefill(p, s) for p, s in zip(prompts, ref_states, strict=True)]
+    got = [fast.prefill(p, s) for p, s in zip(prompts, fast_states, strict=True)]
     for step in range(3):
         for row, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert _relative(g, e) < FP32_TOLERANCE, f"step {step}, sequence {row}"
         tokens = torch.tensor([int(e.argmax()) for e in expected])
-        expected = [reference.forward(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
-        got = fast.decode_batch(fast_states, tokens)
+        expected = [reference.prefill(t[None], s) for t, s in zip(tokens, ref_states, strict=True)]
+        got = fast.decode(fast_states, tokens)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
@@ -255,18 +253,18 @@ def test_decode_graphs_cover_every_batch_size_to_eight_then_every_multiple_of_ei
 
 
 def test_graphs_are_captured_once_per_bucket_largest_first(dense, monkeypatch):
-    """`warm_up` and `ninfer bench` capture through `capture_graphs`: the largest step first sizes the shared pool,
+    """`warm_up` and `ninfer bench` capture through `prepare`: the largest step first sizes the shared pool,
     and each batch size captures the bucket its steps replay."""
     _, fast = dense
     captured = []
     monkeypatch.setattr(fast, "buckets", runner.decode_buckets(44))
     monkeypatch.setattr(fast, "max_batch", 44)
     monkeypatch.setattr(fast, "use_graphs", True)
-    monkeypatch.setattr(fast, "_graph", captured.append)
-    fast.capture_graphs([1, 3, 20, 44, 3, 17, 9])
-    assert captured == [44, 24, 16, 3, 1]
+    monkeypatch.setattr(fast, "_graph", lambda batch, tokens, verify: captured.append((batch, tokens, verify)))
+    fast.prepare([1, 3, 20, 44, 3, 17, 9])
+    assert captured == [(44, 1, False), (24, 1, False), (16, 1, False), (3, 1, False), (1, 1, False)]
     with pytest.raises(ValueError, match="exceeds the 44 sequence slots"):
-        fast.capture_graphs([45])
+        fast.prepare([45])
 
 
 def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
@@ -301,8 +299,7 @@ def test_engine_batches_decode_steps_on_the_fast_runner(demo):
     on the batch); slots return."""
     import asyncio
 
-    from ninfer.engine.llm import LLM, Finished
-    from ninfer.engine.scheduler import Engine, Request
+    from ninfer.engine import LLM, Finished, Request
     from ninfer.sampling import SamplingParams
 
     _, fast = demo
@@ -311,12 +308,11 @@ def test_engine_batches_decode_steps_on_the_fast_runner(demo):
     prompts = [llm.tokenizer.encode(f"def f{i}(x):\n    return") for i in range(3)]
     expected = [_greedy_alone(fast, ids, params.max_tokens) for ids in prompts]
     llm.model = fast
-    gc.collect()
     free = len(fast.cache.free_slots)
     steps = []
-    decode_batch = fast.decode_batch
-    fast.decode_batch = lambda states, ids: steps.append(len(states)) or decode_batch(states, ids)
-    engine = Engine(llm, max_concurrency=3).start()
+    decode = fast.decode
+    fast.decode = lambda states, ids: steps.append(len(states)) or decode(states, ids)
+    engine = llm.engine_with(max_concurrency=3).start()
     try:
         async def collect(ids):
             async for event in engine.generate(Request(ids, params, thinking=False)):
@@ -330,10 +326,9 @@ def test_engine_batches_decode_steps_on_the_fast_runner(demo):
         results = asyncio.run(main())
     finally:
         engine.close()
-        del fast.decode_batch
+        del fast.decode
     assert results == expected
     assert max(steps) == 3  # the three sequences decoded in one batched step
-    gc.collect()
     assert len(fast.cache.free_slots) == free
 
 
@@ -346,16 +341,17 @@ def test_every_recipe_runs_on_the_fast_path(tmp_path, recipe):
     prompt = torch.tensor(PROMPT[:23])  # 23 tokens: the prefill route of every matrix
     ref_state, fast_state = reference.new_state(32), fast.new_state(32)
     with int8_activations(reference, path, head_only=True):
-        expected = reference.forward(prompt, ref_state)
-    assert _relative(fast.forward(prompt, fast_state), expected) < FP32_TOLERANCE
+        expected = reference.prefill(prompt, ref_state)
+    assert _relative(fast.prefill(prompt, fast_state), expected) < FP32_TOLERANCE
     token = torch.tensor([7])
     with int8_activations(reference, path):
-        expected = reference.forward(token, ref_state)
-    assert _relative(fast.forward(token, fast_state), expected) < DECODE_TOLERANCE
+        expected = reference.prefill(token, ref_state)
+    assert _relative(fast.prefill(token, fast_state), expected) < DECODE_TOLERANCE
 
 
 def test_runner_choice_and_its_errors():
-    from ninfer.engine.llm import LLM, fast_path_unsupported
+    from ninfer.engine import LLM
+    from ninfer.engine.load import fast_path_unsupported
     from ninfer.errors import NinferError
 
     assert LLM().fast is False  # auto on the CPU: the reference runner
@@ -378,8 +374,7 @@ def test_engine_prefix_reuse_on_the_fast_runner(demo):
     runner's tokens for the request alone, prefilled fresh in the same pieces (cut at the turn boundaries)."""
     import asyncio
 
-    from ninfer.engine.llm import LLM, Finished
-    from ninfer.engine.scheduler import Engine, Request
+    from ninfer.engine import LLM, Finished, Request
     from ninfer.sampling import SamplingParams
 
     _, fast = demo
@@ -392,7 +387,7 @@ def test_engine_prefix_reuse_on_the_fast_runner(demo):
     expected = [_greedy_alone(fast, ids, params.max_tokens,
                               [i + 1 for i, t in enumerate(ids[:-1]) if t == im_end] + [len(ids)]) for ids in prompts]
     llm.model = fast
-    engine = Engine(llm, max_concurrency=2, prefill_chunk=64).start()
+    engine = llm.engine_with(max_concurrency=2, interleaved_prefill_chunk=64).start()
     try:
         async def run(ids):
             async for event in engine.generate(Request(ids, params, thinking=False)):
@@ -420,23 +415,23 @@ def test_verify_equals_token_by_token_decode_and_accept_resumes(paths):
     stepped = [fast.new_state(32) for _ in prompts]
     prefilled = []  # each prompt prefilled once (interpreted prefills are slow), its state copied to the others
     for prompt, a, b in zip(prompts, verified, stepped, strict=True):
-        fast.forward(prompt, a)
+        fast.prefill(prompt, a)
         prefilled.append(fast.snapshot(a))
         fast.restore(b, len(prompt), prefilled[-1])
     logits = fast.verify(verified, drafts)
-    expected = torch.stack([fast.decode_batch(stepped, drafts[:, t]) for t in range(2)], dim=1)
+    expected = torch.stack([fast.decode(stepped, drafts[:, t]) for t in range(2)], dim=1)
     assert torch.equal(logits, expected)  # the same bits: verifying drafts never changes greedy decoding
     with pytest.raises(ValueError, match="accept the verify step"):
-        fast.decode_batch(verified, drafts[:, 0])
+        fast.decode(verified, drafts[:, 0])
     fast.accept(verified, [1, 2])  # sequence 0 keeps one draft (its snapshot), sequence 1 both
     assert [s.length for s in verified] == [10, 7]
     # where decoding the kept drafts leaves each sequence: sequence 1 kept both, as `stepped[1]` decoded them;
     # sequence 0 its prompt and its first draft
     reference = [fast.new_state(32), stepped[1]]
     fast.restore(reference[0], len(prompts[0]), prefilled[0])
-    fast.decode_batch(reference[:1], drafts[:1, 0])
+    fast.decode(reference[:1], drafts[:1, 0])
     nxt = torch.tensor([30, 31])
-    assert torch.equal(fast.decode_batch(verified, nxt), fast.decode_batch(reference, nxt))
+    assert torch.equal(fast.decode(verified, nxt), fast.decode(reference, nxt))
     with pytest.raises(ValueError, match=r"1\.\.2 tokens"):
         fast.verify(verified, torch.zeros((2, 3), dtype=torch.long))
 
@@ -452,61 +447,65 @@ def test_a_batch_wider_than_the_batch_routes_token_tile_gives_each_sequence_its_
     _, fast = _models(paths["dense"], max_sequences=10)
     steps = [torch.arange(10) + 3, torch.arange(10) * 7 + 40]
     states = [fast.new_state(4) for _ in range(10)]
-    batch = [fast.decode_batch(states, tokens) for tokens in steps]
+    batch = [fast.decode(states, tokens) for tokens in steps]
     assert set(routes) == {"batch"}
-    del states
-    gc.collect()
+    for state in states:
+        fast.free_state(state)
     for i in (0, 9):  # a row of each token tile
         alone = fast.new_state(4)
         for step, tokens in enumerate(steps):
-            assert torch.equal(fast.decode_batch([alone], tokens[i : i + 1])[0], batch[step][i]), f"{i}, {step}"
+            assert torch.equal(fast.decode([alone], tokens[i : i + 1])[0], batch[step][i]), f"{i}, {step}"
 
 
 def test_snapshots_share_full_pages_by_reference_and_give_them_back(dense):
     _, fast = dense
     cache = fast.cache
-    gc.collect()
     free_pages = len(cache.free_pages)
     prompt = torch.tensor((PROMPT * 4)[:70])  # one full 64-position page and 6 positions of the next
     original = fast.new_state(80)
-    fast.forward(prompt, original)
+    fast.prefill(prompt, original)
     saved = fast.snapshot(original)
     shared = original.pages[0]
     assert saved[("pages", 0)].pages == [shared] and cache.refs[shared] == 2  # the sequence and the lease
-    expected = fast.forward(torch.tensor([5, 6, 7]), original)
+    expected = fast.prefill(torch.tensor([5, 6, 7]), original)
     copy = fast.new_state(80)
     fast.restore(copy, 70, saved)
     assert copy.pages[0] == shared and cache.refs[shared] == 3
     assert int(cache.block_tables[copy.slot, 0]) == shared and copy.pages[1] != original.pages[1]
-    assert torch.equal(fast.forward(torch.tensor([5, 6, 7]), copy), expected)  # wrote only its own page
-    del original, copy, saved
-    gc.collect()
+    assert torch.equal(fast.prefill(torch.tensor([5, 6, 7]), copy), expected)  # wrote only its own page
+    fast.free_state(original)
+    fast.free_state(copy)
+    assert cache.refs[shared] == 1  # the lease alone
+    fast.release_snapshot(saved)
     assert len(cache.free_pages) == free_pages and all(r == 0 for r in cache.refs)
 
 
 def test_allocation_reclaims_pages_held_by_snapshots(dense):
     _, fast = dense
     cache = fast.cache
-    gc.collect()
     with pytest.raises(ValueError, match="free page"):
         cache.lease([cache.free_pages[-1]])
     leases = []
     while len(cache.free_pages) >= 2:  # sequences come and go; only leases (as snapshots take) keep their pages
         state = fast.new_state(128)
         leases.append(cache.lease(state.pages))
-        del state
+        fast.free_state(state)
     calls = []
 
     def reclaim() -> bool:  # the engine drops its oldest snapshot
         calls.append(len(leases))
-        return bool(leases) and leases.pop(0) is not None
+        if not leases:
+            return False
+        cache.release(leases.pop(0))
+        return True
 
     cache.reclaim = reclaim
     try:
         state = fast.new_state(128)  # two pages: only after a snapshot gave them back
         assert len(state.pages) == 2 and calls
-        del state
-        leases.clear()
+        fast.free_state(state)
+        while leases:
+            cache.release(leases.pop())
         cache.reclaim = lambda: False
         held = [fast.new_state(16) for _ in cache.free_slots[:1]]
         with pytest.raises(CacheFullError, match="free slots"):
