@@ -47,7 +47,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float
 
 
 # Fused SDPA backends for prefill. cuDNN's attention is left out: it builds an execution plan for every new (query,
-# key) length, which took 1.9 s for a 17-token chunk on the H200 (torch 2.11; docs/performance.md), and a server
+# key) length, which took 1.9 s for a 17-token chunk on the H200 (torch 2.11), and a server
 # meets a new length with almost every prompt. Flash attention takes bf16 / fp16, memory-efficient attention fp32.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

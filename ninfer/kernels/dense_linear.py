@@ -8,18 +8,18 @@ Contract: x `[T, K]` (fp32 / bf16 / fp16, stride 1 on K), W `[N, K]` (stride 1 o
 BLOCK_K tiles, multiplying in fp32 into a `[BLOCK_N, BLOCK_K]` accumulator summed at the end. The decode steps'
 small bf16 matrices (GDN a/b projection, MoE router) take it instead of cuBLAS, whose kernel choice changes with
 T: with it every matrix of a decode step gives a token the same bits at any batch (a verify step's rows equal the
-decode steps'). These matrices are short (96 rows for the 27B's a/b, 257 for a router), so the tile plan spreads
-them wide: one row per program and K in one tile up to 8,192 lanes — one load wave per program, not a loop of
-dependent ones (8 rows per program in 256-lane steps took 12 µs for the 27B's a/b on the H200, 48 times a step).
-Runs under TRITON_INTERPRET=1.
+decode steps'). These matrices are short (96 rows for the 27B's a/b, 257 for a router), so the tile plan
+(`tuning.DenseTuning`) spreads them wide: one row per program and K in one tile up to MAX_BLOCK_K lanes — one load
+wave per program, not a loop of dependent ones. Runs under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ninfer.kernels import tuning
 from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
-from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, row_tile
+from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS
 
 try:  # Triton is optional: the CPU path never needs it
     import triton
@@ -32,6 +32,7 @@ MAX_BLOCK_K = 8192  # lanes of K per step: 32 fp32 accumulators per thread at 8 
 
 if triton is not None:
     from ninfer.kernels.fixed_order import pairwise_row_sum
+    from ninfer.kernels.row_tiles import row_tile
 
     @triton.jit
     def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_x, stride_w, stride_out, BLOCK_N: tl.constexpr,
@@ -63,7 +64,8 @@ def dense_linear_gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
                          f"tokens, the same K, stride 1 on K)")
     out = torch.empty((tokens, n), dtype=out_dtype or torch.float32, device=x.device)
     # the plan depends on the matrix only (a token's bits at any T)
-    block_n, block_k = (64, 256) if INTERPRETED else (1, min(triton.next_power_of_2(k), MAX_BLOCK_K))
+    choice = tuning.for_device(x.device).dense
+    block_n, block_k = choice.block_n, choice.block_k or min(triton.next_power_of_2(k), MAX_BLOCK_K)
     if pairwise:  # one tile of the padded K, whatever the platform
         if k > MAX_BLOCK_K:
             raise ValueError(f"dense_linear_gemv: the pairwise sum takes K ≤ {MAX_BLOCK_K}, not {k}")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ninfer.kernels import tuning
 from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
-from ninfer.kernels.quant_linear import INTERPRETED, gemv_rows
 from ninfer.quant import codec_for
 
 try:  # Triton is optional: the CPU path never needs it
@@ -32,6 +32,7 @@ MAX_TOKENS = 16
 
 
 if triton is not None:
+    from ninfer.kernels.row_tiles import gemv_rows
 
     @triton.jit
     def e4m3_to_fp32(bits):
@@ -82,12 +83,13 @@ def fp8_linear_gemv(x: torch.Tensor, data: torch.Tensor, shape: tuple[int, int],
         raise ValueError(f"fp8_linear_gemv: x {list(x.shape)} (stride 1 last) does not fit W {list(shape)}")
     slots = tokens if experts is None else experts.numel()
     out = torch.empty((slots, n), dtype=out_dtype or torch.float32, device=x.device)
-    block_n = 256 if INTERPRETED else 8
+    choice = tuning.for_device(data.device).fp8
+    block_n = choice.block_n
     grid = (triton.cdiv(n, block_n), slots) if experts is not None else (triton.cdiv(n, block_n) * tokens, 1)
     _fp8_gemv_kernel[grid](
         x, codes, scales, out, experts if experts is not None else codes, n, k, tokens, x.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=512, GATHER=experts is not None, X_PER_SLOT=x_per_slot, num_warps=4,
-        **launch_options(data.device))
+        BLOCK_N=block_n, BLOCK_K=choice.block_k, GATHER=experts is not None, X_PER_SLOT=x_per_slot,
+        num_warps=choice.warps, **launch_options(data.device))
     return out
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ninfer.kernels import tuning
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, padded_lanes
 from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 from ninfer.kernels.stripe_linear import TileActivations, empty_tiles
@@ -162,7 +163,6 @@ if triton is not None:
         tl.store(id_ptr + row * TOP_K + k, ids, mask=k < TOP_K)
 
 
-ELEMENTWISE_BLOCK = 1024  # lanes per program of the elementwise kernels (a multiple of 128: whole int8 records)
 # up to this many rows (every decode and verify step: MAX_GEMV_TOKENS) a norm spreads each row over several
 # programs; one layout for all of them, so a row's bits do not depend on how many rows the step has
 NORM_SPLIT_ROWS = 64
@@ -190,15 +190,16 @@ def add_rms_norm(x: Tensor, h: Tensor | None, weight: Tensor, eps: float,
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     records = empty_records(rows, width, x.device) if quantize else out
     block = max(triton.next_power_of_2(width), padded_lanes(width) if quantize else 1)
-    # few rows (a decode step): each row over several programs of ELEMENTWISE_BLOCK lanes, each reducing the whole
-    # row itself (one launch, no second pass); many rows (prefill): a program per row
-    split = rows <= NORM_SPLIT_ROWS and block > ELEMENTWISE_BLOCK
-    slice_ = ELEMENTWISE_BLOCK if split else block
+    # few rows (a decode step): each row over several programs of the elementwise block's lanes (`tuning`), each
+    # reducing the whole row itself (one launch, no second pass); many rows (prefill): a program per row
+    choice = tuning.for_device(x.device).elementwise
+    split = rows <= NORM_SPLIT_ROWS and block > choice.block
+    slice_ = choice.block if split else block
     _add_rms_norm_kernel[(rows, triton.cdiv(width, slice_))](  # slices are whole 128-lane units: padding covered
         x, h if h is not None else x, weight, total, out, records, width, x.stride(0),
         h.stride(0) if h is not None else 0, out.stride(0), eps, records.shape[1] if quantize else 0,
         HAS_H=h is not None, QUANTIZE=quantize, BLOCK=block, SLICE=slice_,
-        num_warps=8 if split else max(1, min(16, block // 256)), **launch_options(x.device))
+        num_warps=choice.norm_split_warps if split else max(1, min(16, block // 256)), **launch_options(x.device))
     return total, Int8Activations(out, records) if quantize else out
 
 
@@ -217,9 +218,10 @@ def silu_mul(gate_up: Tensor, quantize: bool = False,
     else:
         records = empty_records(rows, inter, out.device) if quantize else out
         count = records.shape[1] if quantize else 0
-    _silu_mul_kernel[(rows, triton.cdiv(inter, ELEMENTWISE_BLOCK))](
+    choice = tuning.for_device(gate_up.device).elementwise
+    _silu_mul_kernel[(rows, triton.cdiv(inter, choice.block))](
         gate_up, out, records, inter, gate_up.stride(0), count, QUANTIZE=quantize, TILES=tiles,
-        BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **launch_options(gate_up.device))
+        BLOCK=choice.block, num_warps=choice.warps, **launch_options(gate_up.device))
     if not quantize:
         return out
     return TileActivations(out, records) if tiles else Int8Activations(out, records)
@@ -231,9 +233,10 @@ def sigmoid_mul(x: Tensor, gate: Tensor, quantize: bool = False) -> Tensor | Int
     rows, width = x.shape
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     records = empty_records(rows, width, out.device) if quantize else out
-    _sigmoid_mul_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
+    choice = tuning.for_device(x.device).elementwise
+    _sigmoid_mul_kernel[(rows, triton.cdiv(width, choice.block))](
         x, gate, out, records, width, x.stride(0), gate.stride(0), records.shape[1] if quantize else 0,
-        QUANTIZE=quantize, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **launch_options(x.device))
+        QUANTIZE=quantize, BLOCK=choice.block, num_warps=choice.warps, **launch_options(x.device))
     return Int8Activations(out, records) if quantize else out
 
 
@@ -247,9 +250,10 @@ def moe_combine(routed: Tensor, weights: Tensor, shared: Tensor, shared_logit: T
         raise ValueError(f"moe_combine: routed must be a contiguous [{rows * top_k}, {width}], got "
                          f"{list(routed.shape)}")
     out = torch.empty((rows, width), dtype=shared.dtype, device=shared.device)
-    _moe_combine_kernel[(rows, triton.cdiv(width, ELEMENTWISE_BLOCK))](
+    choice = tuning.for_device(shared.device).elementwise
+    _moe_combine_kernel[(rows, triton.cdiv(width, choice.block))](
         routed, weights, shared, shared_logit, out, width, weights.stride(0), shared.stride(0), shared_logit.stride(0),
-        TOP_K=top_k, BLOCK=ELEMENTWISE_BLOCK, num_warps=4, **launch_options(routed.device))
+        TOP_K=top_k, BLOCK=choice.block, num_warps=choice.warps, **launch_options(routed.device))
     return out
 
 

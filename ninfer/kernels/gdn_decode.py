@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ninfer.kernels import tuning
 from ninfer.kernels.activation_quant import Int8Activations, empty_records, quantize_activations
 from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 
@@ -36,26 +37,13 @@ if triton is not None:
     from ninfer.kernels.activation_quant import store_tile_records
     from ninfer.kernels.fixed_order import pairwise_row_sum
 
-CONV_BLOCK_C = 256  # channels per program of the conv launch
 L2_EPS = 1e-6  # transformers' l2norm: eps on the sum of squares (ninfer.kernels.gated_delta_rule.l2_normalize)
-# state columns per delta-rule program: a [128, 32] fp32 tile, so a 27B step (48 value heads) runs 192 programs
-# rather than 48 holding a whole [128, 128] head each (6.6 µs, 23 % of the read bandwidth on the H200)
-DELTA_BLOCK_V = 32
-# warps of a delta-rule program whose tile has 128 × 32 lanes or more (the state lives in registers): 2 warps took
-# 20.3 µs against 21.2 alone at batch 8 but lost 57 µs a batch-8 step (docs/performance.md, twenty-fifth session)
-DELTA_WARPS = 4
-NORM_HEADS = 8  # value heads per gated-norm program (1,024 lanes at v_dim 128)
 # a dense a/b projection up to this K is computed in the delta-rule launch (the head's two rows and the input row
 # in registers beside the state tile)
 AB_IN_KERNEL_MAX_K = 8192
-# steps of up to this many sequences read their state tiles before waiting for the kernel before (PDL): measured on
-# the H200 at the 27B shapes, −17 to −29 µs a batch-1 step, about +64 µs a batch-8 step, where the early reads of
-# 1,536 programs likely slow the conv beside them (docs/performance.md, twenty-fifth session)
-EARLY_STATE_SEQUENCES = 1
 # steps of up to this many sequences make the conv in the delta-rule launch (one launch fewer); larger ones in a
-# launch of its own. Measured on the H200 at the 27B shapes: at one sequence −74 to −89 µs a step, at 8 sequences
-# +90 to +98 µs, where the 1,536 delta-rule programs each making its conv cost more than the launch
-# (docs/performance.md, twenty-seventh session). Either way a token gets the same bits.
+# launch of its own: at the 27B shapes on the H200 that is faster at one sequence and slower at 8, where the 1,536
+# delta-rule programs each making its conv cost more than the launch. Either way a token gets the same bits.
 FUSED_CONV_SEQUENCES = 1
 
 
@@ -322,21 +310,20 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
     `quantize`, as `Int8Activations` (the output projection's input: its records made by the norm kernel when v_dim
     is a multiple of 32, else by the quantizer).
 
-    Up to FUSED_CONV_SEQUENCES sequences, two launches. The delta rule over (sequence, value head, DELTA_BLOCK_V
-    state columns) — a column of S evolves on its own, so a head's [k_dim, v_dim] state splits into independent
-    column tiles — makes the conv of the channels it reads from their windows (a key head's q / k conv in each
-    program that reads it) and writes o; it does not write the windows, since other programs still read them. The
+    Up to FUSED_CONV_SEQUENCES sequences, two launches. The delta rule over (sequence, value head, `delta_block_v` state
+    columns: `tuning.GatedDeltaTuning`) — a column of S evolves on its own, so a head's [k_dim, v_dim] state splits into
+    independent column tiles — makes the conv of the channels it reads from their windows (a key head's q / k conv in
+    each program that reads it) and writes o; it does not write the windows, since other programs still read them. The
     gated norm over whole heads (it needs all of a head's o) writes the int8 records and moves the windows on, once
     every delta-rule program is done. More sequences take three: the conv in a launch of its own (which moves the
-    windows on), then the delta rule on its output, then the norm. The products are the same in both (written out
-    as FMAs), so a token's bits do not depend on the route. `before_delta_rule`, when given, is called right before
-    the delta rule's launch, after the conv's where it has one: the runner joins its graph branch there, since the
-    a/b projection computed beside the input projections is first read by the delta rule, and the conv launch
-    needs only x.
+    windows on), then the delta rule on its output, then the norm. The products are the same in both (written out as
+    FMAs), so a token's bits do not depend on the route. `before_delta_rule`, when given, is called right before the
+    delta rule's launch, after the conv's where it has one: the runner joins its graph branch there, since the a/b
+    projection computed beside the input projections is first read by the delta rule, and the conv launch needs only x.
 
     Under PDL the launches read before they wait for the kernel before them (`kernels.dependent_launch`'s rule):
-    the delta rule `slots` and, for up to EARLY_STATE_SEQUENCES sequences, its state tiles, windows and conv
-    weights; the norm the windows and, at T = 1, the new inputs x. The pools are written only by this function's
+    the delta rule `slots` and, for up to `early_state_sequences` sequences (`tuning`), its state tiles, windows and
+    conv weights; the norm the windows and, at T = 1, the new inputs x. The pools are written only by this function's
     launches (the state by the delta rule, which the norm always follows; the windows by the norm or the conv
     launch, never right before a launch that reads them: a GEMV follows the norm in the runner, the delta rule the
     conv) and by kernels without PDL (prefill, state copies); x comes from the kernel before this function, two
@@ -395,16 +382,18 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
         return out
     snapshots = snapshot_slots if snapshot_slots is not None else slots
     fused = B <= FUSED_CONV_SEQUENCES
+    choice = tuning.for_device(x.device).gated_delta
     if not fused:  # the conv in a launch of its own, which moves the windows on; the delta rule reads its output
         mixed = torch.empty((rows, C), dtype=x.dtype, device=x.device)
-        _conv_kernel[(B, triton.cdiv(C, CONV_BLOCK_C))](
+        _conv_kernel[(B, triton.cdiv(C, choice.conv_block_c))](
             x, conv_weight, conv_state, slots, snapshots, mixed, C, x.stride(0), conv_weight.stride(0),
             conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), mixed.stride(0),
-            K=K, BLOCK_C=CONV_BLOCK_C, T=tokens, SNAPSHOTS=snapshot_slots is not None, **launch_options(x.device))
+            K=K, BLOCK_C=choice.conv_block_c, T=tokens, SNAPSHOTS=snapshot_slots is not None,
+            **launch_options(x.device))
     if before_delta_rule is not None:
         before_delta_rule()
     block_k, block_v = triton.next_power_of_2(k_dim), triton.next_power_of_2(v_dim)
-    delta_block_v = min(block_v, DELTA_BLOCK_V)
+    delta_block_v = min(block_v, choice.delta_block_v)
     o = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     source = x if fused else mixed
     _gated_delta_decode_kernel[(B, v_heads, triton.cdiv(v_dim, delta_block_v))](
@@ -414,15 +403,15 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
         state.stride(1), state.stride(2), state.stride(3), k_dim**-0.5, hidden, K_HEADS=k_heads, K_DIM=k_dim,
         V_HEADS=v_heads, V_DIM=v_dim, CONV_K=K, BLOCK_K=block_k, BLOCK_V=delta_block_v, L2_EPS=L2_EPS,
         SNAPSHOTS=snapshot_slots is not None, T=tokens, CONV=fused, AB_DOT=ab_dot,
-        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, EARLY_STATE=B <= EARLY_STATE_SEQUENCES,
-        num_warps=DELTA_WARPS if block_k * delta_block_v >= 128 * 32 else 2,
+        AB_BLOCK=triton.next_power_of_2(hidden) if ab_dot else 1, EARLY_STATE=choice.early_state_sequences >= B,
+        num_warps=choice.delta_warps if block_k * delta_block_v >= 128 * 32 else choice.small_delta_warps,
         **launch_options(x.device))
     # torch multiplies the norm weight by x̂ in their promoted dtype: rounded when that is the activation dtype
     round_norm_product = torch.promote_types(norm_weight.dtype, x.dtype) == x.dtype
     records_here = quantize and v_dim % 32 == 0 and block_v == v_dim
     records = empty_records(rows, width, x.device) if records_here else out
     record_count = records.shape[1] if records_here else 0
-    heads = min(NORM_HEADS, triton.next_power_of_2(v_heads))
+    heads = min(choice.norm_heads, triton.next_power_of_2(v_heads))
     lanes = record_count * 32 if records_here else width  # padding blocks past the heads get zero records
     programs = triton.cdiv(lanes, heads * v_dim)
     _gated_norm_kernel[(rows, programs)](
@@ -430,7 +419,7 @@ def gated_delta_decode(x: Tensor, z: Tensor, a_b: Tensor | tuple[Tensor, Tensor]
         x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), eps, record_count, C,
         V_HEADS=v_heads, V_DIM=v_dim, HEADS=heads, BLOCK_V=block_v, ROUND_NORM_PRODUCT=round_norm_product,
         QUANTIZE=records_here, WINDOWS=fused, CONV_K=K, BLOCK_C=triton.next_power_of_2(triton.cdiv(C, programs)),
-        T=tokens, SNAPSHOTS=snapshot_slots is not None, num_warps=4, **launch_options(x.device))
+        T=tokens, SNAPSHOTS=snapshot_slots is not None, num_warps=choice.norm_warps, **launch_options(x.device))
     if not quantize:
         return out
     return Int8Activations(out, records) if records_here else quantize_activations(out)

@@ -3,11 +3,11 @@
 Between a decode step's GEMVs run small kernels (conv, delta rule, norms, SwiGLU) that read little, so DRAM idles
 there and every GEMV starts cold. `L2Prefetch` names the first rows of the next GEMV's matrices (every plane:
 codes, high bits, scales), `budget` bytes in all; `prefetch_to_l2` issues `prefetch.global.L2` for those lines
-from `PROGRAMS` programs. The runner launches it in the step's second branch (`fast.branches`) once the GEMV before
+from `PROGRAMS` programs. The runner launches it in the step's second branch (`model.branches`) once the GEMV before
 the small kernels has finished, so that it neither competes with that GEMV's stream nor lengthens the small
 kernels: the next GEMV then finds its first rows in L2. A prefetch reads only weights and writes nothing, so no
-result depends on it. (The fourteenth session's try issued the same prefetches from spare programs of the small
-kernels themselves, which then ended only when their prefetch did: docs/performance.md.)
+result depends on it. (Issued from spare programs of the small kernels themselves, the same prefetches made those
+kernels end only when their prefetch did: docs/optimizations.md.)
 
 Ranges: an int64 tensor `[R, 2]` on the device of (address, bytes), each a whole number of 128-byte lines from an
 address aligned to them; program p of P issues lines p·LINES … p·LINES + LINES − 1 of each range, then

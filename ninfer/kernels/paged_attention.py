@@ -34,6 +34,7 @@ import math
 import torch
 from torch import Tensor
 
+from ninfer.kernels import tuning
 from ninfer.kernels.activation_quant import LANE_PAD, Int8Activations, empty_records
 from ninfer.kernels.attention import causal_attention
 from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
@@ -52,9 +53,7 @@ if triton is not None:
 
 SCALE_GROUP = 64  # dims per int8/fp8 scale
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-BLOCK_POSITIONS = 32  # cache positions per attention tile
-MAX_SPLITS = 64
-INTERPRETER_PROGRAMS = 8  # programs the split plan aims for without a GPU (the interpreter runs them one by one)
+CPU_PROGRAMS = 8  # programs the split plan aims for without a GPU (the interpreter runs them one by one)
 _QUANT_MODE = {torch.int8: 1, torch.float8_e4m3fn: 2}  # kernels' QUANT: 0 = float pages
 
 
@@ -147,14 +146,17 @@ def paged_attention_reference(q: Tensor, key_pages: Tensor, value_pages: Tensor,
 
 
 def decode_split_plan(kv_heads: int, max_length: int, device: torch.device) -> int:
-    """Splits of `paged_attention_decode`, from host ints only: enough programs for about two waves over the GPU's
-    SMs (INTERPRETER_PROGRAMS without one) for one sequence, at most MAX_SPLITS, and no more than `max_length` has
-    BLOCK_POSITIONS tiles (each sequence then divides its own length among the splits on the device). Not a
+    """Splits of `paged_attention_decode`, from host ints only: enough programs for `waves` waves over the GPU's
+    SMs (CPU_PROGRAMS without one) for one sequence, at most `max_splits`, and no more than `max_length` has tiles
+    of `block_positions` (`tuning.AttentionTuning`; each sequence then divides its own length among the splits on
+    the device). Not a
     function of the batch: a query's result is the same bits whatever rows share the call (a verify step's rows
     equal the decode steps'; greedy output does not depend on what else is batched)."""
-    blocks = max(1, -(-max_length // BLOCK_POSITIONS))
-    target = 2 * _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_PROGRAMS
-    return max(1, min(-(-target // kv_heads), MAX_SPLITS, blocks))
+    device = torch.device(device)
+    choice = tuning.for_device(device).attention
+    blocks = max(1, -(-max_length // choice.block_positions))
+    target = choice.waves * _sm_count(device.index or 0) if device.type == "cuda" else CPU_PROGRAMS
+    return max(1, min(-(-target // kv_heads), choice.max_splits, blocks))
 
 
 @functools.lru_cache
@@ -244,7 +246,8 @@ def qk_norm_rope(query_key: Tensor, q_norm: Tensor, k_norm: Tensor, positions: T
     k = torch.empty((batch, kv_heads, head_dim), dtype=query_key.dtype, device=query_key.device)
     _qk_norm_rope_kernel[(batch, heads + kv_heads)](
         query_key, q_norm, k_norm, positions, inv_freq.float().contiguous(), q, k, query_key.stride(0), heads,
-        kv_heads, eps, HEAD_DIM=head_dim, ROTARY=rotary_dim, num_warps=2, **launch_options(query_key.device))
+        kv_heads, eps, HEAD_DIM=head_dim, ROTARY=rotary_dim,
+        num_warps=tuning.for_device(query_key.device).attention.rope_warps, **launch_options(query_key.device))
     return q, k
 
 
@@ -340,7 +343,8 @@ def write_kv(k: Tensor, v: Tensor, key_pages: Tensor, value_pages: Tensor, key_s
     _write_kv_kernel[(batch, kv_heads)](
         k, v, pages, value_pool, *scales, block_table, positions, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), block_table.stride(0), *key_pages.stride()[:3], *scale_strides, PAGE=key_pages.shape[1],
-        GROUPS=head_dim // SCALE_GROUP, QUANT=mode, CODE_MAX=CODE_MAX.get(key_pages.dtype, 0.0), num_warps=2,
+        GROUPS=head_dim // SCALE_GROUP, QUANT=mode, CODE_MAX=CODE_MAX.get(key_pages.dtype, 0.0),
+        num_warps=tuning.for_device(k.device).attention.write_warps,
         **launch_options(k.device))
 
 
@@ -514,6 +518,7 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
     fuse_gate = gate is not None and (not quantize or width % LANE_PAD == 0)
     max_length = block_table.shape[1] * page if max_length is None else max_length
     splits = decode_split_plan(kv_heads, max_length, q.device)
+    choice = tuning.for_device(q.device).attention
     group = heads // kv_heads
     records_here = fuse_gate and quantize
     out = torch.empty((batch, width), dtype=q.dtype, device=q.device)
@@ -533,14 +538,14 @@ def paged_attention_decode(q: Tensor, key_pages: Tensor, value_pages: Tensor, ke
         q, *pools, *scales, block_table, lengths, out, partial_out, partial_max, partial_sum, gate_in, records,
         q.stride(0), q.stride(1), out.stride(0), gate_in.stride(0), record_count, block_table.stride(0),
         *key_pages.stride()[:3], *scale_strides, scale * math.log2(math.e), splits, heads, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page, BLOCK_S=BLOCK_POSITIONS,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page, BLOCK_S=choice.block_positions,
         QUANT=mode, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, GATE=fuse_gate, QUANTIZE=records_here,
-        num_warps=4, **launch_options(q.device))
+        num_warps=choice.decode_warps, **launch_options(q.device))
     if splits > 1:
         _merge_splits_kernel[(batch, heads)](
             partial_out, partial_max, partial_sum, out, gate_in, records, out.stride(0), gate_in.stride(0),
             record_count, splits, heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits),
-            GATE=fuse_gate, QUANTIZE=records_here, num_warps=4, **launch_options(q.device))
+            GATE=fuse_gate, QUANTIZE=records_here, num_warps=choice.merge_warps, **launch_options(q.device))
     if gate is None:
         return out.view(batch, heads, head_dim)
     if not fuse_gate:  # records with a padding block: `sigmoid_mul` makes them

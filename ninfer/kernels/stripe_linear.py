@@ -4,8 +4,8 @@ Why: the batch route of `quant_linear` unpacks a weight tile once for up to 8 to
 tokens' int8 records from 8 places, and at 8 tokens the 27B's down projection took twice its one-token time.
 Here both sides are stored in the order the int8 tensor cores consume them (Marlin's method: repack the weights at
 load so that a warp's `mma` operands are one contiguous load), and the activations are written by the kernel that
-makes them (`fused.silu_mul`) in the matching tile layout. At 8 tokens a matrix then costs what one token costs
-(docs/performance.md, thirty-ninth and fortieth sessions).
+makes them (`fused.silu_mul`) in the matching tile layout. At 8 tokens a matrix then costs about what one token
+costs.
 
 Chunk (stripe s = rows 16s..16s + 15, group j = lanes 64j..64j + 63 of the padded K): CHUNK_WORDS (168) int32,
 with g = 0..7 a row of the stripe's halves and t = 0..3 a unit (8 lanes) of a 32-lane block:
@@ -26,9 +26,9 @@ Tokens past T in the last tile are not written (their products are computed and 
 
 Kernels (CUDA, sm_80 and newer: `mma.sync.m16n8k32` int8 and `dp4a` as inline PTX):
   * `_stripe_kernel`, for T ≥ 2: program (stripe, tile of 8 tokens); warp w of WARPS takes groups w, w + WARPS, …
-    (its turns loaded DEPTH groups ahead into registers); per 32-lane block one `mma` gives the exact integer dots D
-    of 16 rows × 8 tokens, and acc += D · (weight scale · x scale) in fp32, block 0 then block 1 of each group; the
-    warps' sums meet in one reduction across warps; out in x's dtype;
+    (its turns loaded DEPTH groups ahead into registers; both from `tuning.StripeTuning`); per 32-lane block one
+    `mma` gives the exact integer dots D of 16 rows × 8 tokens, and acc += D · (weight scale · x scale) in fp32,
+    block 0 then block 1 of each group; the warps' sums meet in one reduction across warps; out in x's dtype;
   * `_stripe_kernel` with ONE_TOKEN (T = 1): the same loads and the same float steps with `dp4a` — a lane's dots
     over its unit, reduce-scattered across the row's four lanes (exact integers, 4 shuffles a group) so that a lane
     holds both blocks' D of one row — so that a token's result has the same bits at any T (verify = decode,
@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from ninfer import flags
+from ninfer.kernels import tuning
 from ninfer.kernels.activation_quant import padded_lanes, quantize_activations_reference
 from ninfer.kernels.dependent_launch import launch_options, wait_for_inputs
 from ninfer.quant import codec_for
@@ -65,19 +66,9 @@ STRIPE_ROWS = 16  # rows of a chunk (an `mma`'s A rows)
 TILE_TOKENS = 8  # tokens of an x tile (an `mma`'s B columns)
 CHUNK_WORDS = 168
 TILE_WORDS = 144
-# warps of a program: warp w sums groups w, w + WARPS, …, so WARPS is part of a result's bits and one value serves
-# every T; on the 27B's down projection 8 warps cost one token 18.1 µs and 8 tokens 24.3, 16 warps 18.4–19.9 and
-# 20.9 (the batch route: 17.9 and 36.6; docs/performance.md, fortieth session)
-WARPS = 8
 # rows at least this long take the layout: at K = 17,408 (the 27B's down projection) the one-token kernel keeps up
-# with the batch route and 8 tokens cost about one token's time; at K = 5,120 one token is about 1 µs slower
+# with the batch route and 8 tokens cost about one token's time; at K = 5,120 one token falls behind the batch route
 MIN_K = 8192
-# groups a warp loads ahead (1-4; not part of the bits), for one token and for tiles: on the 27B's down projection
-# alone one token took 21.7 / 18.1 / 21.0 / 20.8 µs at depths 1-4 and 8 tokens 24.5 / 26.4 / 21.1 / 21.2; inside the
-# decode step one token at depth 4 beat depth 2 (the 27B's batch-1 step −24 µs; docs/performance.md, forty-first
-# session)
-ONE_TOKEN_DEPTH = 4
-TILE_DEPTH = 3
 
 
 def stripes_fit(shape: tuple[int, int], fmt: str, device: torch.device) -> bool:
@@ -421,12 +412,11 @@ if triton is not None:
                        DEPTH: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr):
         """Program (stripe, tile of 8 tokens), or with ONE_TOKEN (stripe) for T = 1: see the module docstring. Tiles:
         the first DEPTH (1-4) groups' loads stand before the PDL wait here, but ptxas (Triton 3.6 and 3.9, sm_90)
-        schedules the wait ahead of these non-coherent loads, so the kernel in fact waits first (`scripts/
-        compile_kernels.py --resources`: 0 loads before the PDL wait). One token: only the first group is loaded
-        before the wait, as coherent loads, which ptxas keeps there (3 loads before the wait). Measured in the
-        27B's decode step: all DEPTH groups ahead of the wait cost 35 µs at batch 1 and 25 at batch 8 (forty-second
-        session), the first group alone gains 8-16 µs at batch 1 (forty-third; docs/performance.md). With
-        ONE_TOKEN, lanes 4g + t and 4g + (t ^ 2) both sum row g + 8 · (t % 2)."""
+        schedules the wait ahead of these non-coherent loads, so the kernel in fact waits first (`python -m
+        ninfer.kernels.compile_check --resources`: 0 loads before the PDL wait). One token: only the first group is
+        loaded before the wait, as coherent loads, which ptxas keeps there (3 loads before the wait). In the 27B's
+        decode step all DEPTH groups ahead of the wait measured slower at batch 1 and 8, the first group alone
+        faster at batch 1. With ONE_TOKEN, lanes 4g + t and 4g + (t ^ 2) both sum row g + 8 · (t % 2)."""
         lane = tl.arange(0, 32)[None, :]
         warp = tl.arange(0, WARPS)[:, None]
         g = lane // 4
@@ -536,11 +526,11 @@ def quantize_tiles(x: torch.Tensor) -> TileActivations:
 
 
 def stripe_gemv(x: TileActivations, chunks: torch.Tensor, shape: tuple[int, int], out_dtype: torch.dtype | None = None,
-                out: torch.Tensor | None = None, warps: int = WARPS, depth: int | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, warps: int | None = None, depth: int | None = None) -> torch.Tensor:
     """y = x · Wᵀ `[T, N]` for W's stripe chunks (`repack`) and x's tiles, in `out_dtype` (default x's dtype), into
     `out` when given (a `[T, N]` view with unit column stride). One token takes `_stripe_kernel`'s `dp4a` variant,
     more its `mma` tiles: the same bits for a token either way. `warps` (part of the bits) and `depth` (groups loaded
-    ahead: ONE_TOKEN_DEPTH or TILE_DEPTH by default; not part of the bits) are for measurements."""
+    ahead; not part of the bits), by default the GPU's `tuning.StripeTuning`, are for measurements."""
     _check(chunks, shape)
     tokens, k = x.shape
     if k != shape[1]:
@@ -553,8 +543,11 @@ def stripe_gemv(x: TileActivations, chunks: torch.Tensor, shape: tuple[int, int]
         return out
     stripes, groups = chunks.shape[0], chunks.shape[1]
     one_token = tokens == 1
+    choice = tuning.for_device(chunks.device).stripes
+    warps = warps or choice.warps
     _stripe_kernel[(stripes, x.tiles.shape[0])](x.tiles, chunks, out, tokens, groups, out.stride(0), WARPS=warps,
-                                                DEPTH=depth or (ONE_TOKEN_DEPTH if one_token else TILE_DEPTH),
+                                                DEPTH=depth or (choice.one_token_depth if one_token else
+                                                                choice.tile_depth),
                                                 ONE_TOKEN=one_token, num_warps=warps, **launch_options(chunks.device))
     return out
 
@@ -566,8 +559,8 @@ def dequantize_stripes(chunks: torch.Tensor, shape: tuple[int, int], dtype: torc
     _check(chunks, shape)
     n, k = shape
     w = torch.empty((n, k), dtype=dtype, device=chunks.device) if out is None else out[: n * k].view(n, k)
-    groups_per_program = 8
-    _dequantize_stripes_kernel[(chunks.shape[0], triton.cdiv(chunks.shape[1], groups_per_program))](
-        chunks, w, k, chunks.shape[1], w.stride(0), GROUPS=groups_per_program, num_warps=4,
+    choice = tuning.for_device(chunks.device).stripes
+    _dequantize_stripes_kernel[(chunks.shape[0], triton.cdiv(chunks.shape[1], choice.dequantize_groups))](
+        chunks, w, k, chunks.shape[1], w.stride(0), GROUPS=choice.dequantize_groups, num_warps=choice.dequantize_warps,
         **launch_options(chunks.device))
     return w

@@ -1,11 +1,12 @@
 """Compile every Triton kernel of ninfer for NVIDIA targets without a GPU: the wrappers are called with small CPU
 tensors while each kernel's launch is intercepted, and the recorded arguments become the kernel's signature for
-`triton.compile` at each target (ptxas ships with triton). Catches what the interpreter cannot: code the
-compiler rejects (unsigned/negative shifts, statements after a return in a constexpr branch, unsupported types on
-an older architecture). Prints one line per kernel and target; exits 1 when any fails.
+`triton.compile` at each target (ptxas ships with triton). Each target's launches are recorded with the launch
+choices of its architecture (`kernels.tuning`). Catches what the interpreter cannot: code the compiler rejects
+(unsigned/negative shifts, statements after a return in a constexpr branch, unsupported types on an older
+architecture). Prints one line per kernel and target; exits 1 when any fails.
 
-Usage: python scripts/compile_kernels.py [--targets 90,80] [--resources] [--opcodes] [--waits] [--only REGEX]
-       [--set K=V,…]
+Usage: python -m ninfer.kernels.compile_check [--targets 90,80] [--resources] [--opcodes] [--waits] [--only REGEX]
+       [--set K=V,…] [--traceback]
 (TRITON_INTERPRET must be unset)
 `--resources` adds each kernel's registers, spill stack and shared memory per thread block (cuobjdump), the
 length of its longest loop and the loads it issues before its PDL wait (nvdisasm): the first things to look at
@@ -14,26 +15,31 @@ opcode; `--waits` lists, below each kernel, the loop's waits on a load (`scorebo
 is waited for, and which other loads the same wait covers, which is how a load meant for a later turn ends up
 waited for in this one; `--only` compiles the launches whose label (name and constants) matches; `--set` overrides
 integer constants of the launches that have them (e.g. `DEPTH=1,CHAIN=8`: a variant the recorded wrapper calls do
-not pick). The registers and the schedule depend on the Triton version: to read what the GPU machine runs, put
-that version first on PYTHONPATH (`pip install --target DIR triton==3.6.0`; docs/performance.md).
+not pick); `--traceback` prints each failure's traceback. The registers and the schedule depend on the Triton
+version: to read what the GPU machine runs, put that version first on PYTHONPATH (`pip install --target DIR
+triton==3.6.0`).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import traceback
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from ninfer import flags
 from ninfer.kernels import (
     activation_quant,
     dense_linear,
@@ -41,31 +47,72 @@ from ninfer.kernels import (
     fused,
     gdn_decode,
     paged_attention,
+    quant_dequantize,
+    quant_grouped,
     quant_linear,
     stripe_linear,
+    tuning,
 )
 from ninfer.quant import codec_for
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8", torch.uint8: "u8",
          torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion"}
-launches: list[tuple[str, triton.JITFunction, dict, dict]] = []
+# the modules whose wrappers launch the kernels (a kernel is intercepted where its wrapper looks it up)
+LAUNCHING = (activation_quant, dense_linear, quant_linear, quant_grouped, quant_dequantize, fp8_linear, fused,
+             gdn_decode, paged_attention, stripe_linear)
+
+
+class Launch(NamedTuple):
+    """A recorded launch: the kernel's name, the kernel, its arguments by parameter name, its launch options."""
+
+    name: str
+    kernel: triton.JITFunction
+    values: dict
+    options: dict
 
 
 class _Recorder:
     """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the call instead of launching it."""
 
-    def __init__(self, module, name: str):
-        self.module, self.name, self.kernel = module, name, getattr(module, name)
+    def __init__(self, name: str, kernel: triton.JITFunction, launches: list[Launch]):
+        self.name, self.kernel, self.launches = name, kernel, launches
 
     def __getitem__(self, grid):
         def record(*args, **kwargs):
-            names = [p.name for p in self.kernel.params]
+            names = self.kernel.arg_names
             values = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
             options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
-            launches.append((self.name, self.kernel, values, options))
+            self.launches.append(Launch(self.name, self.kernel, values, options))
 
         return record
+
+
+@contextlib.contextmanager
+def _intercepted(arch: tuple[int, int]) -> Iterator[list[Launch]]:
+    """Within the block, every kernel launch of the LAUNCHING modules is recorded into the yielded list instead of
+    run, and the wrappers take the launch choices of `arch`; both are restored afterwards."""
+    launches: list[Launch] = []
+    saved = [(tuning, "for_device", tuning.for_device)]
+    for module in LAUNCHING:
+        for name in dir(module):
+            if name.startswith("_") and name.endswith("_kernel"):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, _Recorder(name, getattr(module, name), launches))
+    tuning.for_device = lambda device: tuning.for_arch(arch)
+    try:
+        yield launches
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def record_launches(arch: tuple[int, int]) -> list[Launch]:
+    """The launches the fast path's wrappers make on a GPU of compute capability `arch`, in the variants it uses
+    (formats, T, gather, KV dtypes), recorded with small CPU tensors (no kernel runs)."""
+    with _intercepted(arch) as launches:
+        _call_wrappers()
+    return launches
 
 
 def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict, dict]:
@@ -96,13 +143,8 @@ def _signature(kernel: triton.JITFunction, values: dict) -> tuple[dict, dict, di
     return signature, constexprs, attrs
 
 
-def _record_all() -> None:
+def _call_wrappers() -> None:
     """Call every wrapper the fast path uses, in the variants it uses (formats, T, gather, KV dtypes)."""
-    for module in (activation_quant, dense_linear, quant_linear, fp8_linear, fused, gdn_decode, paged_attention,
-                   stripe_linear):
-        for name in dir(module):
-            if name.startswith("_") and name.endswith("_kernel"):
-                setattr(module, name, _Recorder(module, name))
     x = torch.randn(1, 512, dtype=torch.bfloat16)
     for fmt in ("q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16", "q8_g32_fp16"):
         data = codec_for(fmt).encode(torch.randn(64, 512))
@@ -110,7 +152,7 @@ def _record_all() -> None:
         for tokens in (1, 8):  # the batch route at K = 2048 (K tiles of 1,024 lanes), one and several tokens
             quant_linear.quant_linear_gemv(torch.randn(tokens, 2048), wide, (64, 2048), fmt, out_dtype=torch.bfloat16)
         quant_linear.quant_linear_gemv(x, data, (64, 512), fmt, out_dtype=torch.bfloat16)  # the token route
-        quant_linear.dequantize(data, (64, 512), fmt, rows=torch.arange(4, dtype=torch.int32))
+        quant_dequantize.dequantize(data, (64, 512), fmt, rows=torch.arange(4, dtype=torch.int32))
     for tokens in (1, 8):  # two matrices of one input in one launch (GDN q|k q4 and v|z q5)
         acts = activation_quant.quantize_activations(torch.randn(tokens, 2048))
         quant_linear.quant_linear_gemv_pair(
@@ -120,7 +162,7 @@ def _record_all() -> None:
     quant_linear.quant_linear_gemv(x, data, (256, 512), "q5_g64_fp16", experts=torch.tensor([1, 3], dtype=torch.int32),
                                    expert_rows=64, x_per_slot=2, out_dtype=torch.bfloat16)
     ids = torch.randint(0, 4, (40,))
-    quant_linear.quant_linear_grouped(x.repeat(20, 1), data, (256, 512), "q5_g64_fp16", quant_linear.group_pairs(
+    quant_grouped.quant_linear_grouped(x.repeat(20, 1), data, (256, 512), "q5_g64_fp16", quant_grouped.group_pairs(
         ids, 4, 64), 40, 64, 2, 64)
     shape = (32, 2048)  # a q5 matrix kept as stripe chunks: one token, a tile of 8, its prefill decoding
     chunks = stripe_linear.repack(codec_for(stripe_linear.FORMAT).encode(torch.randn(shape)), shape)
@@ -248,8 +290,8 @@ def _longest_loop(lines: list[str], opcodes: bool) -> str:
 def loads_before_wait(lines: list[str]) -> int | None:
     """Global loads (LDG) an `nvdisasm -c` listing issues before its first `griddepcontrol.wait` (SASS ACQBULK), or
     None without one: what a PDL kernel reads while the kernel before it finishes. ptxas may move the wait above
-    loads that stand before it in the source (the stripe GEMV's non-coherent loads: docs/performance.md,
-    forty-second session), so the source alone does not tell."""
+    loads that stand before it in the source (the stripe GEMV's non-coherent loads), so the source alone does not
+    tell."""
     names = [_opcode(line) for line in lines if re.match(INSTRUCTION, line)]
     return names[: names.index("ACQBULK")].count("LDG") if "ACQBULK" in names else None
 
@@ -289,22 +331,26 @@ def scoreboard_waits(lines: list[str]) -> list[str]:
     return report
 
 
-def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("unset TRITON_INTERPRET: this script compiles the kernels instead of interpreting them")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    if flags.triton_interpreted():
+        sys.exit("unset TRITON_INTERPRET: the compile check compiles the kernels instead of interpreting them")
+    parser = argparse.ArgumentParser(prog="python -m ninfer.kernels.compile_check",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated")
     parser.add_argument("--resources", action="store_true", help="print registers, stack and shared memory")
     parser.add_argument("--opcodes", action="store_true", help="with --resources: the longest loop's opcodes")
     parser.add_argument("--waits", action="store_true", help="the longest loop's waits on loads (scoreboard_waits)")
     parser.add_argument("--only", default="", help="compile the launches whose label matches this regex")
     parser.add_argument("--set", default="", help="K=V,…: integer constants to override where a launch has them")
-    args = parser.parse_args()
-    _record_all()
+    parser.add_argument("--traceback", action="store_true", help="print the traceback of each failure")
+    args = parser.parse_args(argv)
     overrides = {key: int(value) for key, value in (item.split("=") for item in args.set.split(",") if item)}
-    failed = 0
-    for capability in (int(c) for c in args.targets.split(",")):
+    targets = [int(c) for c in args.targets.split(",")]
+    failed = total = 0
+    for capability in targets:
         target = GPUTarget("cuda", capability, 32)
+        launches = record_launches(divmod(capability, 10))
+        total += len(launches)
         for name, kernel, values, options in launches:
             values = values | {key: value for key, value in overrides.items() if key in values}
             if "PDL" in values:  # programmatic dependent launch where the target has it (sm_90+)
@@ -330,9 +376,9 @@ def main() -> int:
                 failed += 1
                 reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
                 print(f"sm_{capability} FAILED  {name}({label}): {reason}")
-                if os.environ.get("NINFER_COMPILE_TRACEBACK"):
+                if args.traceback:
                     traceback.print_exc()
-    print(f"{len(launches)} launches × {len(args.targets.split(','))} targets, {failed} failed")
+    print(f"{total} launches on {len(targets)} targets, {failed} failed")
     return 1 if failed else 0
 
 

@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for the H200 (sm_90) and for an older GPU without FP8 hardware (sm_80), without a
-GPU: scripts/compile_kernels.py records each wrapper's launch and runs triton's compiler (ptxas ships with
-triton). The interpreter-based tests cannot catch code that only the compiler rejects. On sm_90 every kernel is
-compiled with programmatic dependent launch (ninfer.kernels.dependent_launch), on sm_80 without."""
+GPU: `python -m ninfer.kernels.compile_check` records each wrapper's launch and runs triton's compiler (ptxas ships
+with triton). The interpreter-based tests cannot catch code that only the compiler rejects. On sm_90 every kernel
+is compiled with programmatic dependent launch (ninfer.kernels.dependent_launch), on sm_80 without."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ["_gemv_kernel", "_gemv_batch_kernel", "_gemv_batch_pair_kernel", "_dequantize_kernel", "_fp8_gemv_kernel",
            "_add_rms_norm_kernel", "_silu_mul_kernel", "_sigmoid_mul_kernel", "_route_top_k_kernel",
            "_moe_combine_kernel", "_conv_kernel", "_gated_delta_decode_kernel", "_gated_norm_kernel",
@@ -31,7 +31,7 @@ CONVERSION_OPCODES = {"SHFL", "LDS", "STS", "LDSM", "STSM", "LDL", "STL", "BAR"}
 
 def test_every_kernel_compiles_for_sm90_and_sm80():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_kernels.py"), "--targets", "90,80",
+    result = subprocess.run([sys.executable, "-m", "ninfer.kernels.compile_check", "--targets", "90,80",
                              "--resources", "--opcodes"], capture_output=True, text=True, env=env, cwd=ROOT,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -46,7 +46,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
     assert re.search(r"\b0 failed$", result.stdout.strip())
     # the batch GEMV keeps its tiles in the layout they are loaded in (lanes over the 32-lane blocks): no spill and
     # no data exchanged between lanes in its K loop, with the Triton installed here (the placement of the blocks
-    # axis depends on the version: quant_linear.BLOCKS_FIRST)
+    # axis depends on the version: quant_gemv_kernels.BLOCKS_FIRST)
     batch = re.findall(r"^sm_\d+ ok\s+(_gemv_batch(?:_pair)?_kernel\(.*\))\s+\[registers \d+, stack (\d+), "
                        r"shared \d+\], loop \d+ instructions (\{.*?\})(?:, \d+ loads before the PDL wait)?$",
                        result.stdout, re.MULTILINE)
@@ -54,14 +54,13 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
     for label, stack, opcodes in batch:
         exchanged = CONVERSION_OPCODES & set(ast.literal_eval(opcodes))
         assert stack == "0" and not exchanged, f"{label}: stack {stack}, {sorted(exchanged)} in the loop"
-    # on sm_90 the batch GEMV's first weight tiles are issued before its PDL wait (27B batch 1: 70 µs a step,
-    # docs/performance.md, forty-second session); ptxas decides that, not the source order
+    # on sm_90 the batch GEMV's first weight tiles are issued before its PDL wait (a measured gain at batch 1);
+    # ptxas decides that, not the source order
     early = re.findall(r"^sm_90 ok\s+(_gemv_batch(?:_pair)?_kernel\(.*\)).*, (\d+) loads before the PDL wait$",
                        result.stdout, re.MULTILINE)
     assert len(early) >= 10 and all(int(count) > 0 for _, count in early), early
-    # the stripe GEMV: at one token exactly its first group's three loads before the wait (27B batch 1: −8 to −16 µs
-    # a step), for tiles none (all DEPTH groups early cost 35 µs at batch 1 and 25 at batch 8; forty-second and
-    # forty-third sessions)
+    # the stripe GEMV: at one token exactly its first group's three loads before the wait (faster at batch 1), for
+    # tiles none (all DEPTH groups early measured slower at batch 1 and 8)
     stripes = dict(re.findall(r"^sm_90 ok\s+_stripe_kernel\(.*ONE_TOKEN=(\w+).*, (\d+) loads before the PDL wait$",
                               result.stdout, re.MULTILINE))
     assert stripes == {"True": "3", "False": "0"}, stripes
@@ -79,11 +78,8 @@ def _listing(instructions: list[tuple[str, int, int]]) -> list[str]:
 
 
 def test_scoreboard_waits_names_every_load_a_wait_covers():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from compile_kernels import scoreboard_waits
-    finally:
-        sys.path.pop(0)
+    from ninfer.kernels.compile_check import scoreboard_waits
+
     loop = [("LOP3.LUT R9, R4, 0xff, RZ, 0x3c, !PT", 7, 0b100000),  # waits on SB5: the turn before's weight load
             ("LDG.E.128 R4, desc[UR4][R20.64]", 5, 0),
             ("LDG.E.64 R10, desc[UR4][R22.64+0x20]", 1, 0),
@@ -101,11 +97,8 @@ def test_scoreboard_waits_names_every_load_a_wait_covers():
 
 
 def test_loads_before_the_pdl_wait_are_counted_from_the_listing():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from compile_kernels import loads_before_wait
-    finally:
-        sys.path.pop(0)
+    from ninfer.kernels.compile_check import loads_before_wait
+
     kernel = [("LDG.E.128.CONSTANT R4, desc[UR4][R20.64]", 7, 0), ("@!P0 LDG.E R10, desc[UR4][R22.64]", 7, 0),
               ("IADD3 R1, R1, 0x1, RZ", 7, 0), ("ACQBULK", 7, 0), ("LDG.E R12, desc[UR4][R24.64]", 7, 0)]
     assert loads_before_wait(_listing(kernel)) == 2
