@@ -209,7 +209,7 @@ if triton is not None:
         one term per token, `start`, shared by a program's rows. CHAIN is the `dp4a` a dependent chain holds: 2
         (even and odd of each unit, then a sum over the units plus `start`), 4 (units 0-1 from `start`, units 2-3,
         one add) or 8 (one chain from `start`: no adds, a longer dependence). int32 sums are exact in any order, so
-        CHAIN never changes a bit; which one schedules best depends on the format and the tile (`batch_chain`)."""
+        CHAIN never changes a bit; which one schedules best depends on the format and the tile (`tuning.BatchTile`)."""
         if CHAIN == 2:
             dots = _dp4a(even, tl.load(record), 0, SIGNED, ASM)
             dots = _dp4a(odd, tl.load(record + 4), dots, SIGNED, ASM)
