@@ -307,12 +307,12 @@ def _text_ids(args: argparse.Namespace, artifacts: list[Path]) -> list[int]:
 
 def _load_model(path: Path, args: argparse.Namespace) -> Any:
     from ninfer.artifact import open_artifact
+    from ninfer.config import RuntimeConfig
     from ninfer.devices import parse_device
     from ninfer.model.qwen3_5 import Qwen35Model
 
     device = parse_device(args.device)
-    dtype = {"auto": torch.float32 if device.type == "cpu" else torch.bfloat16, "fp32": torch.float32,
-             "bf16": torch.bfloat16}[args.dtype]
+    dtype = RuntimeConfig(dtype=args.dtype).torch_dtype(device)
     with open_artifact(path) as artifact:
         model = Qwen35Model.from_artifact(artifact, device, dtype)
     if args.context > model.config.max_positions:

@@ -122,11 +122,11 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 def sampling_params(state: ServerState, prompt_tokens: int, sampling: Sampling) -> SamplingParams:
     """SamplingParams of a request: the artifact's generation_config defaults, overridden by every field the request
-    sets. The budget is cut to what the context leaves after the prompt (finish reason "length" when that binds);
-    empty stop strings are dropped. Raises APIError 400 naming the field when a value is outside its domain."""
+    sets. The output budget is resolved against the context at admission (finish reason "length" when the context
+    binds); empty stop strings are dropped. Raises APIError 400 naming the field when a value is outside its domain."""
     overrides = {name: getattr(sampling, name) for name in SAMPLING_FIELDS if getattr(sampling, name) is not None}
     budget = state.config.default_max_tokens if sampling.max_tokens is None else sampling.max_tokens
-    overrides["max_tokens"] = max(1, min(budget, state.llm.max_context - prompt_tokens))
+    overrides["max_tokens"] = budget
     overrides["stop"] = tuple(s for s in (sampling.stop or ()) if s)
     logit_bias = parse_logit_bias(sampling.logit_bias, state.llm.tokenizer.vocab_size)
     if logit_bias:

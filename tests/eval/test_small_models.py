@@ -20,7 +20,7 @@ from ninfer.frontend import Tokenizer
 from ninfer.kernels.moe import route_top_k
 from ninfer.model.qwen3_5 import Qwen35Model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MOE_FIXTURE = ROOT / "data" / "models" / "small-moe-q8.ninfer"
 TOKENS = 2048
 PPL_BOUND = 40.0  # measured about 15 (dense) and 12 (MoE) on the whole split; the unigram baseline is hundreds

@@ -2,10 +2,10 @@
 
 import pytest
 
-from tests.model.support import free_test_states
-
 
 @pytest.fixture(autouse=True)
 def _free_states():
     yield
+    from tests.model.support import free_test_states  # imported late: after tests/conftest.py chose the interpreter
+
     free_test_states()

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from ninfer.artifact.reader import Artifact
+from ninfer.config import CacheConfig
 from ninfer.engine import runner
 from ninfer.engine.kv_cache import CacheFullError
 from ninfer.engine.memory import MemoryPlanError, plan_memory
@@ -156,6 +157,7 @@ def test_snapshot_restore_continues_like_the_original(dense):
     copy = fast.new_state(64)
     fast.restore(copy, 10, saved)
     got = fast.prefill(torch.tensor(PROMPT[10:14]), copy)
+    fast.release_snapshot(saved)
     assert copy.length == 14
     assert torch.equal(got, expected)
 
@@ -283,8 +285,8 @@ def test_memory_plan_sizes_the_kv_and_refuses_what_does_not_fit():
     assert roomy.graphs > 0 and "decode graphs" in roomy.describe()  # the graphs' shared pool is planned
     eager = plan_memory(config, 10**8, roomy.total - roomy.kv // 2, **options, margin=0.0, decode_graphs=False)
     assert eager.graphs == 0 and eager.kv_tokens > tight.kv_tokens  # without graphs their memory goes to the KV
-    with pytest.raises(NinferError, match="unknown recurrent-state dtype 'fp16'"):
-        plan_memory(config, 10**8, 10**10, **options, state_dtype="fp16")
+    with pytest.raises(NinferError, match="state_dtype must be one of fp32, bf16, not 'fp16'"):
+        CacheConfig(state_dtype="fp16")
     with pytest.raises(MemoryPlanError, match=r"does not fit.*lower --max-context"):
         plan_memory(config, 10**10, 10**10, **options)
 
@@ -357,7 +359,7 @@ def test_runner_choice_and_its_errors():
     assert LLM().fast is False  # auto on the CPU: the reference runner
     with pytest.raises(NinferError, match="the fast path cannot run this model: it runs on CUDA only"):
         LLM(runner="fast")
-    with pytest.raises(NinferError, match="unknown runner 'turbo'"):
+    with pytest.raises(NinferError, match="runner must be one of auto, fast, reference, not 'turbo'"):
         LLM(runner="turbo")
     with Artifact.open(DEMO) as artifact:
         config = TextConfig.from_dict(artifact.components["text"]["config"])
@@ -434,6 +436,8 @@ def test_verify_equals_token_by_token_decode_and_accept_resumes(paths):
     assert torch.equal(fast.decode(verified, nxt), fast.decode(reference, nxt))
     with pytest.raises(ValueError, match=r"1\.\.2 tokens"):
         fast.verify(verified, torch.zeros((2, 3), dtype=torch.long))
+    for snapshot in prefilled:
+        fast.release_snapshot(snapshot)
 
 
 def test_a_batch_wider_than_the_batch_routes_token_tile_gives_each_sequence_its_own_bits(paths, monkeypatch):
