@@ -17,13 +17,9 @@ from tokenizers import pre_tokenizers
 
 from ninfer.frontend import ChatTemplate, Tokenizer
 from ninfer.frontend.vocab import NON_SPECIAL_TOKENS, QWEN3_5_PRETOKENIZE_REGEX, QWEN3_5_SPECIAL_TOKENS, frontend_files
+from tools import build_corpus, corpus, train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))  # the tools import each other as top-level modules
-
-import build_corpus  # noqa: E402
-import corpus  # noqa: E402
-import train_tokenizer  # noqa: E402
 
 CORPUS_DIR = ROOT / "data" / "corpus"
 TOKENIZER_DIR = ROOT / "data" / "tokenizer"

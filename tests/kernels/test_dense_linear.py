@@ -1,9 +1,7 @@
 """The dense GEMV (decode steps' bf16 matrices) against torch's product, and a token's result the same bits at any
-token count — under the Triton interpreter on the CPU (fp32), in bf16 on CUDA (tests/conftest.py decides)."""
+token count — under the Triton interpreter on the CPU (fp32), in bf16 on CUDA (`pytest -m gpu`)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -12,16 +10,13 @@ pytest.importorskip("triton")
 
 from ninfer.kernels.dense_linear import dense_linear_gemv
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-
 
 @pytest.mark.parametrize(("tokens", "n", "k"), [(1, 8, 256), (3, 70, 300), (16, 257, 1000)])
 @pytest.mark.parametrize("pairwise", [False, True])  # tl.sum, or the fixed tree of `pairwise_row_sum`
-def test_dense_gemv_equals_the_float64_product(tokens, n, k, pairwise):
+def test_dense_gemv_equals_the_float64_product(device, activation_dtype, tokens, n, k, pairwise):
     generator = torch.Generator().manual_seed(n + k)
-    weight = torch.randn(n, k, generator=generator).to(DEVICE, DTYPE)
-    x = torch.randn(tokens, k, generator=generator).to(DEVICE, DTYPE)
+    weight = torch.randn(n, k, generator=generator).to(device, activation_dtype)
+    x = torch.randn(tokens, k, generator=generator).to(device, activation_dtype)
     expected = x.double() @ weight.double().T
     got = dense_linear_gemv(x, weight, pairwise=pairwise)
     assert got.shape == (tokens, n) and got.dtype == torch.float32
@@ -29,10 +24,10 @@ def test_dense_gemv_equals_the_float64_product(tokens, n, k, pairwise):
     assert dense_linear_gemv(x, weight, out_dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
-def test_dense_gemv_gives_a_token_the_same_bits_at_any_token_count():
+def test_dense_gemv_gives_a_token_the_same_bits_at_any_token_count(device, activation_dtype):
     generator = torch.Generator().manual_seed(4)
-    weight = torch.randn(20, 520, generator=generator).to(DEVICE, DTYPE)
-    x = torch.randn(9, 520, generator=generator).to(DEVICE, DTYPE)
+    weight = torch.randn(20, 520, generator=generator).to(device, activation_dtype)
+    x = torch.randn(9, 520, generator=generator).to(device, activation_dtype)
     single = torch.cat([dense_linear_gemv(x[t : t + 1], weight) for t in range(9)])
     assert torch.equal(dense_linear_gemv(x, weight), single)
     assert torch.equal(dense_linear_gemv(x[2:5], weight), single[2:5])

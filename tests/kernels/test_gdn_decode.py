@@ -1,10 +1,11 @@
-"""The batched Gated DeltaNet decode step against the torch reference path of `Qwen35Model.gated_deltanet`, under
-the Triton interpreter on the CPU (tests/conftest.py switches it on), at a tiny non-power-of-two config; the real
-shapes on CUDA are in tests/test_gdn_decode_gpu.py, which reuses `decode_and_compare`."""
+"""The batched Gated DeltaNet decode step against the torch reference path of `Qwen35Model.gated_deltanet`: at a
+tiny non-power-of-two config under the Triton interpreter on the CPU and on CUDA; on CUDA only (`pytest -m gpu`)
+also at the real shapes of the qwen3.8-27b and qwen3.6-35b-a3b presets, fp32 and bf16, B = 1 and 8, four steps with
+the pooled states carried, and on a bf16 state pool (`--state-dtype bf16`), which the Triton interpreter cannot
+check: it rounds fp32 to bf16 by truncation."""
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import pytest
@@ -80,7 +81,7 @@ def reference_gdn(mixed: torch.Tensor, z: torch.Tensor, a_b: torch.Tensor, a_log
     return torch.cat(rows)
 
 
-def decode_and_compare(d: Dims, slots: list[int], pool: int, steps: int, dtype: torch.dtype, device: str,
+def decode_and_compare(d: Dims, slots: list[int], pool: int, steps: int, dtype: torch.dtype, device: torch.device,
                        out_tol: Tolerance, state_tol: Tolerance, slot_dtype: torch.dtype = torch.int64,
                        ab_in_kernel: bool = False, state_dtype: torch.dtype = torch.float32) -> None:
     """`steps` decode steps of B = len(slots) rows through both paths, the pools carried: each step the GDN outputs
@@ -128,33 +129,35 @@ def decode_and_compare(d: Dims, slots: list[int], pool: int, steps: int, dtype: 
         assert torch.equal(conv_pool[s], initial_conv[s]), f"conv slot {s} was written"
 
 
-def _device() -> str:
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
+# the interpreter runs fp32 only; on CUDA bf16 too
+DEVICE_DTYPES = [pytest.param("cpu", torch.float32, id="interpreter-fp32"),
+                 pytest.param("cuda", torch.float32, marks=pytest.mark.gpu, id="cuda-fp32"),
+                 pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu, id="cuda-bf16")]
 
 
 @pytest.mark.parametrize("slots", [[0], [2, 0, 5]])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-def test_decode_steps_equal_the_reference(slots, slot_dtype):
-    decode_and_compare(TINY, slots, pool=6, steps=3, dtype=torch.float32, device=_device(), out_tol=FP32_OUT,
+def test_decode_steps_equal_the_reference(device, slots, slot_dtype):
+    decode_and_compare(TINY, slots, pool=6, steps=3, dtype=torch.float32, device=device, out_tol=FP32_OUT,
                        state_tol=FP32_STATE, slot_dtype=slot_dtype)
 
 
-def test_decode_handles_one_key_head_per_value_head():
+def test_decode_handles_one_key_head_per_value_head(device):
     decode_and_compare(Dims(k_heads=3, k_dim=8, v_heads=3, v_dim=8, conv_kernel=2), [1, 3], pool=4, steps=2,
-                       dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE)
+                       dtype=torch.float32, device=device, out_tol=FP32_OUT, state_tol=FP32_STATE)
 
 
-def test_decode_computes_the_a_b_projection_in_the_kernel():
+def test_decode_computes_the_a_b_projection_in_the_kernel(device):
     decode_and_compare(Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=64), [1, 3], pool=4, steps=2,
-                       dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE, ab_in_kernel=True)
+                       dtype=torch.float32, device=device, out_tol=FP32_OUT, state_tol=FP32_STATE, ab_in_kernel=True)
 
 
 @pytest.mark.parametrize("hidden", [40, 256, 300])
-def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden):
+def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(device, hidden):
     """The runner computes a/b in the delta-rule launch for one row and through `dense_linear_gemv(pairwise=True)`
     for more: both must give a token the same bits (a verify step's rows equal the decode steps'), here checked on
     the whole outputs and states (K of 40, 256 and 300 lanes: padded tiles of 64, 256 and 512)."""
-    d, device = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=32), _device()
+    d = Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=32)
     generator = torch.Generator().manual_seed(hidden)
 
     def randn(*shape, scale=1.0):
@@ -175,18 +178,18 @@ def test_the_a_b_product_in_the_kernel_has_the_pairwise_dense_gemvs_bits(hidden)
     assert not torch.equal(fused_state, state)  # the step ran
 
 
-def test_decode_splits_a_heads_state_into_column_tiles():
+def test_decode_splits_a_heads_state_into_column_tiles(device):
     # v_dim 64: two 32-column programs per head, whose outputs meet again in the gated norm
     decode_and_compare(Dims(k_heads=2, k_dim=16, v_heads=4, v_dim=64), [2, 0], pool=4, steps=2,
-                       dtype=torch.float32, device=_device(), out_tol=FP32_OUT, state_tol=FP32_STATE)
+                       dtype=torch.float32, device=device, out_tol=FP32_OUT, state_tol=FP32_STATE)
 
 
 @pytest.mark.parametrize("slots", [[1], [2, 0, 3]])
-def test_the_hook_before_the_delta_rule_runs_after_the_conv(slots):
+def test_the_hook_before_the_delta_rule_runs_after_the_conv(device, slots):
     """`before_delta_rule` is where the runner joins the graph branch that computes a/b: the delta rule must read
     a/b as the hook leaves it, and where the conv has a launch of its own (more than FUSED_CONV_SEQUENCES
     sequences) that launch must already have read x, so the hook may overlap the conv with the branch."""
-    d, B, device = TINY, len(slots), _device()
+    d, B = TINY, len(slots)
     generator = torch.Generator().manual_seed(B)
 
     def randn(*shape):
@@ -215,8 +218,8 @@ def test_the_hook_before_the_delta_rule_runs_after_the_conv(slots):
 
 # records made by the norm kernel, with a zero record padding 96 lanes to 128, and by the quantizer after it
 @pytest.mark.parametrize(("v_heads", "v_dim"), [(4, 64), (3, 32), (4, 24)])
-def test_decode_output_comes_with_the_quantizers_records(v_heads, v_dim):
-    d, B, device = Dims(k_heads=1, k_dim=16, v_heads=v_heads, v_dim=v_dim), 2, _device()
+def test_decode_output_comes_with_the_quantizers_records(device, v_heads, v_dim):
+    d, B = Dims(k_heads=1, k_dim=16, v_heads=v_heads, v_dim=v_dim), 2
     generator = torch.Generator().manual_seed(v_dim)
 
     def randn(*shape):
@@ -233,9 +236,9 @@ def test_decode_output_comes_with_the_quantizers_records(v_heads, v_dim):
     assert torch.equal(acts.blocks, quantize_activations(plain).blocks)
 
 
-def test_conv_window_shifts_in_the_new_inputs_exactly():
+def test_conv_window_shifts_in_the_new_inputs_exactly(device):
     """Each step moves the window one input on (exact copies), over more steps than the window is long."""
-    d, device, K = TINY, _device(), TINY.conv_kernel
+    d, K = TINY, TINY.conv_kernel
     C = d.channels
     pool = torch.randn(3, C, K - 1, device=device)
     initial = pool.clone()
@@ -282,7 +285,7 @@ def test_kernels_refuse_inconsistent_inputs():
 
 @pytest.mark.parametrize("tokens", [1, 3, 5])
 @pytest.mark.parametrize("ab_in_kernel", [False, True])
-def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens, ab_in_kernel):
+def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(device, tokens, ab_in_kernel):
     """T tokens per sequence in one call (speculative verify) equal T single-token steps, and the snapshot slots
     hold the conv window and recurrent state after each token; the running slot holds the last ones."""
     d, slots, pool = TINY, [4, 1], 16
@@ -311,7 +314,6 @@ def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens, a
             expected_out.append(out)
             expected_conv[int(snapshots[b, t])] = ref_conv[slot].clone()
             expected_state[int(snapshots[b, t])] = ref_state[slot].clone()
-    device = _device()
     x, weight, z, a_b, a_log, dt_bias, norm_weight, conv, state, snapshots = (
         t.to(device) for t in (x, weight, z, a_b, a_log, dt_bias, norm_weight, conv, state, snapshots))
     a_b = tuple(t.to(device) for t in ab_input) if ab_in_kernel else a_b
@@ -330,18 +332,16 @@ def test_several_tokens_per_sequence_with_snapshots_equal_single_steps(tokens, a
     assert torch.equal(conv[untouched], ref_conv[untouched]) and torch.equal(state[untouched], ref_state[untouched])
 
 
-# the interpreter runs fp32 only; the CUDA run of this file adds bf16
-@pytest.mark.parametrize("dtype", [torch.float32] if os.environ.get("TRITON_INTERPRET") == "1" else
-                         [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES, indirect=["device"])
 @pytest.mark.parametrize("d", [TINY, Dims(k_heads=2, k_dim=64, v_heads=4, v_dim=64)])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_a_several_token_call_has_the_bits_of_one_token_calls(d, dtype, state_dtype):
+def test_a_several_token_call_has_the_bits_of_one_token_calls(device, d, dtype, state_dtype):
     """Speculative verify must give each token the bits decoding it alone would: T tokens per sequence in one call
     against T calls of one token, outputs, windows and states bit for bit (the kernels of the two differ in what
     the compiler may fuse; a bf16 state is rounded after each token in both). The interpreter rounds fp32 to bf16
     otherwise than the GPU and torch (it truncates), so the bf16 state's values are checked on CUDA only
-    (tests/test_gdn_decode_gpu.py); its bits between the two calls hold here too."""
-    device = _device()
+    (`test_decode_steps_on_a_bf16_state_pool_equal_the_reference_rounding_it_per_token`); its bits between the two
+    calls hold here too."""
     generator = torch.Generator().manual_seed(d.v_dim)
 
     def randn(*shape, scale=1.0):
@@ -365,13 +365,12 @@ def test_a_several_token_call_has_the_bits_of_one_token_calls(d, dtype, state_dt
     assert torch.equal(together_conv, conv) and torch.equal(together_state, state)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32] if os.environ.get("TRITON_INTERPRET") == "1" else
-                         [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("device", "dtype"), DEVICE_DTYPES, indirect=["device"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_the_conv_in_the_delta_rule_launch_has_the_bits_of_its_own_launch(monkeypatch, dtype, tokens):
+def test_the_conv_in_the_delta_rule_launch_has_the_bits_of_its_own_launch(device, monkeypatch, dtype, tokens):
     """Steps of up to FUSED_CONV_SEQUENCES sequences make the conv in the delta-rule launch, larger ones in a launch
     of its own: a token's output, windows, states and snapshots must not depend on which."""
-    d, device = Dims(k_heads=2, k_dim=64, v_heads=4, v_dim=64), _device()
+    d = Dims(k_heads=2, k_dim=64, v_heads=4, v_dim=64)
     generator = torch.Generator().manual_seed(tokens)
 
     def randn(*shape, scale=1.0):
@@ -395,3 +394,48 @@ def test_the_conv_in_the_delta_rule_launch_has_the_bits_of_its_own_launch(monkey
     for fused, apart in zip(*results, strict=True):
         assert torch.equal(fused, apart)
     assert not torch.equal(results[0][2], conv)  # the windows moved on
+
+
+# --- on CUDA only (`pytest -m gpu`): the presets' real shapes -----------------------------------------------------
+
+SHAPES = {
+    "qwen3.8-27b": Dims(k_heads=16, k_dim=128, v_heads=48, v_dim=128),  # conv channels 10240
+    "qwen3.6-35b-a3b": Dims(k_heads=16, k_dim=128, v_heads=32, v_dim=128),  # conv channels 8192
+}
+# fp32 state: the GPU's approximate exp/rsqrt and 128-term sums; bf16 state: both sides see the same bf16 inputs,
+# but a one-ulp fp32 sigmoid difference can round beta to a neighbouring bf16 value (one part in 256 of one update)
+CUDA_FP32_STATE, BF16_STATE = Tolerance(1e-5, 1e-4), Tolerance(1e-3, 1e-3)
+# bf16 outputs: both sides round the conv output once (their fp32 sums may differ in order), and the norm rounds o,
+# x̂ and w·x̂, so a flipped rounding moves the result by an ulp or two (2^-8 relative each)
+BF16_OUT = Tolerance(2e-2, 3e-2)
+# a bf16 state pool: both sides round the same fp32 state into it after each token, but a last-bit fp32 difference
+# can round an element to the neighbouring bf16 value (2^-8 relative), which the next steps carry
+BF16_POOL_STATE = Tolerance(1e-3, 8e-3)
+
+
+@pytest.fixture
+def exact_fp32_reference(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # F.conv1d would otherwise round to TF32
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("exact_fp32_reference")
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [[5], [9, 0, 3, 14, 7, 1, 12, 4]])
+@pytest.mark.parametrize("ab_in_kernel", [False, True])  # a/b given, or computed in the delta rule's launch
+def test_decode_steps_on_cuda_equal_the_reference(name, dtype, slots, ab_in_kernel):
+    fp32 = dtype == torch.float32
+    decode_and_compare(SHAPES[name], slots, pool=16, steps=4, dtype=dtype, device=torch.device("cuda"),
+                       out_tol=FP32_OUT if fp32 else BF16_OUT, state_tol=CUDA_FP32_STATE if fp32 else BF16_STATE,
+                       ab_in_kernel=ab_in_kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("exact_fp32_reference")
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("slots", [[5], [9, 0, 3, 14, 7, 1, 12, 4]])
+def test_decode_steps_on_a_bf16_state_pool_equal_the_reference_rounding_it_per_token(name, slots):
+    decode_and_compare(SHAPES[name], slots, pool=16, steps=4, dtype=torch.bfloat16, device=torch.device("cuda"),
+                       out_tol=BF16_OUT, state_tol=BF16_POOL_STATE, state_dtype=torch.bfloat16)

@@ -43,10 +43,9 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
-    root = tmp_path_factory.mktemp("checkpoints")
-    tokenizer = byte_tokenizer_files(320)
-    return {name: (root / name, write_checkpoint(root / name, spec, tokenizer)) for name, spec in VARIANTS.items()}
+def checkpoints(hf_checkpoint) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
+    """The variants' folders and tensors (tests/conftest.py's session checkpoints: copy a folder to change it)."""
+    return {name: hf_checkpoint(spec) for name, spec in VARIANTS.items()}
 
 
 def _layer_objects(state: dict[str, torch.Tensor], src: str, dst: str, kind: str, moe: bool,

@@ -15,9 +15,8 @@ import torch
 
 from ninfer.artifact import open_artifact
 from ninfer.convert.checkpoint import convert_checkpoint
-from ninfer.frontend.vocab import byte_tokenizer_files
 from ninfer.model.qwen3_5 import Qwen35Model
-from tests.fixtures.hf_checkpoints import VOCAB_SIZE, CheckpointSpec, write_checkpoint
+from tests.fixtures.hf_checkpoints import VOCAB_SIZE, CheckpointSpec
 
 KL_BOUND = {  # moe -> recipe -> bound (nats per token)
     False: {"fp32": 3e-3, "q8": 2e-2, "fp8": 0.5, "q4": 2.1},
@@ -29,17 +28,17 @@ def _logits(path, ids: torch.Tensor) -> torch.Tensor:
     with open_artifact(path) as artifact:
         model = Qwen35Model.from_artifact(artifact, dtype=torch.float32)
     with torch.no_grad():
-        return model.forward(ids, model.new_state(ids.numel()), all_logits=True)
+        return model.prefill(ids, model.new_state(ids.numel()), all_logits=True)
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_recipes_stay_within_their_kl_bound_of_bf16(tmp_path, moe):
-    write_checkpoint(tmp_path / "ck", CheckpointSpec(moe=moe), byte_tokenizer_files(VOCAB_SIZE))
+def test_recipes_stay_within_their_kl_bound_of_bf16(hf_checkpoint, tmp_path, moe):
+    checkpoint, _ = hf_checkpoint(CheckpointSpec(moe=moe))
     ids = torch.randint(0, VOCAB_SIZE, (150,), generator=torch.Generator().manual_seed(5))
     logits = {}
     bounds = KL_BOUND[moe]
     for recipe in ["bf16", *bounds]:
-        convert_checkpoint(tmp_path / "ck", recipe, tmp_path / f"{recipe}.ninfer", quiet=True)
+        convert_checkpoint(checkpoint, recipe, tmp_path / f"{recipe}.ninfer", quiet=True)
         logits[recipe] = _logits(tmp_path / f"{recipe}.ninfer", ids).log_softmax(-1)
     reference = logits["bf16"]
     kl = {r: float((reference.exp() * (reference - logits[r])).sum(-1).mean()) for r in bounds}

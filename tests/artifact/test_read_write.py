@@ -42,7 +42,7 @@ RESOURCES = {
     "frontend/empty.txt": b"",
 }
 METADATA = {"name": "tiny-mixed", "recipe": "test", "nested": {"list": [1, 2.5, None, "ü"]}}
-PROVENANCE = {"source": "tests/test_artifact.py", "seed": 0}
+PROVENANCE = {"source": "tests/artifact/test_read_write.py", "seed": 0}
 
 
 def align_up(value: int, alignment: int) -> int:
