@@ -1,7 +1,7 @@
 """When the fast path's kernels launch with programmatic dependent launch (ninfer.kernels.dependent_launch): CUDA
 devices of compute capability 9.0 and newer only, never under the Triton interpreter, on ROCm or with NINFER_PDL=0.
-(That the kernels compile with it for sm_90 and without it for sm_80 is tests/test_kernels_compile.py's check;
-that graph replay and long generations stay exact with it is tests/test_fast_runner_gpu.py's, on the GPU.)"""
+(That the kernels compile with it for sm_90 and without it for sm_80 is tests/kernels/test_compile.py's check;
+that graph replay and long generations stay exact with it is tests/model/test_qwen3_5_packed_gpu.py's, on the GPU.)"""
 
 from __future__ import annotations
 

@@ -414,9 +414,13 @@ BF16_POOL_STATE = Tolerance(1e-3, 8e-3)
 
 
 @pytest.fixture
-def exact_fp32_reference(monkeypatch):
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # F.conv1d would otherwise round to TF32
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def exact_fp32_reference():
+    # F.conv1d and matmuls would otherwise round to TF32; saved and restored by hand: monkeypatch cannot delete the
+    # attribute it finds missing from torch.backends.cuda.matmul's __dict__
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.mark.gpu
