@@ -148,10 +148,9 @@ class Engine:
         try:
             while True:
                 item = await events.get()
-                if isinstance(item, Exception):
-                    raise item
+                last = _ends(item)
                 yield item
-                if isinstance(item, Finished):
+                if last:
                     return
         finally:
             self.cancel(sequence)
@@ -170,10 +169,9 @@ class Engine:
                         if not self.step() and events.empty():
                             raise NinferError("the engine has no work it can run for this request")
                     item = events.get()
-                if isinstance(item, Exception):
-                    raise item
+                last = _ends(item)
                 yield item
-                if isinstance(item, Finished):
+                if last:
                     return
         finally:
             self.cancel(sequence)
@@ -337,3 +335,10 @@ class Engine:
             return
         for sequence, row in zip(sequences, logits, strict=True):
             sequence.logits = row
+
+
+def _ends(item: Any) -> bool:
+    """Whether an item of a request's queue is its last: Finished, or an exception (raised here)."""
+    if isinstance(item, Exception):
+        raise item
+    return isinstance(item, Finished)
