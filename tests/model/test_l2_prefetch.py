@@ -4,8 +4,6 @@ program split would skip or repeat lines), and the runner names the matrices a s
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -16,12 +14,10 @@ from ninfer.kernels.l2_prefetch import LINE_BYTES, LINES, PROGRAMS, L2Prefetch, 
 from ninfer.quant import codec_for
 from tests.model.support import packed_model
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
-
-def _matrix(rows: int, columns: int, fmt: str) -> torch.Tensor:
+def _matrix(rows: int, columns: int, fmt: str, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(rows)
-    return codec_for(fmt).encode(torch.randn(rows, columns, generator=generator) * 0.02).to(DEVICE)
+    return codec_for(fmt).encode(torch.randn(rows, columns, generator=generator) * 0.02).to(device)
 
 
 def _covered(ranges: torch.Tensor) -> set[int]:
@@ -30,9 +26,9 @@ def _covered(ranges: torch.Tensor) -> set[int]:
 
 
 @pytest.mark.parametrize("fmt", ["q4_g64_fp16", "q5_g64_fp16", "q6_g64_fp16"])
-def test_the_ranges_are_the_first_rows_of_every_plane_within_the_budget(fmt):
+def test_the_ranges_are_the_first_rows_of_every_plane_within_the_budget(fmt, device):
     shape = (40, 256)
-    data = _matrix(*shape, fmt)
+    data = _matrix(*shape, fmt, device)
     planes = codec_for(fmt).planes(shape)
     total = data.numel()
     prefetch = L2Prefetch([(data, shape, fmt)], budget=total // 4)
@@ -50,8 +46,8 @@ def test_the_ranges_are_the_first_rows_of_every_plane_within_the_budget(fmt):
     assert prefetch.bytes <= total // 4 + len(planes) * 2 * LINE_BYTES + sum(p.row_bytes for p in planes)
 
 
-def test_a_budget_past_the_matrices_takes_them_whole_and_splits_by_size():
-    small, large = _matrix(8, 256, "q4_g64_fp16"), _matrix(64, 256, "q4_g64_fp16")
+def test_a_budget_past_the_matrices_takes_them_whole_and_splits_by_size(device):
+    small, large = _matrix(8, 256, "q4_g64_fp16", device), _matrix(64, 256, "q4_g64_fp16", device)
     whole = L2Prefetch([(small, (8, 256), "q4_g64_fp16")], budget=10 * small.numel())
     assert set(range(small.data_ptr(), small.data_ptr() + small.numel())) <= _covered(whole.ranges)
     both = L2Prefetch([(small, (8, 256), "q4_g64_fp16"), (large, (64, 256), "q4_g64_fp16")],
@@ -65,13 +61,13 @@ def test_a_budget_past_the_matrices_takes_them_whole_and_splits_by_size():
         L2Prefetch([], budget=1)
 
 
-def test_the_programs_together_issue_every_line_of_every_range_once():
+def test_the_programs_together_issue_every_line_of_every_range_once(device):
     # ranges of 1, 300 and 70,000 lines: fewer lines than one program's turn, a few programs, several turns each
-    matrices = [(_matrix(rows, 256, "q4_g64_fp16"), (rows, 256), "q4_g64_fp16") for rows in (1, 200, 44_000)]
+    matrices = [(_matrix(rows, 256, "q4_g64_fp16", device), (rows, 256), "q4_g64_fp16") for rows in (1, 200, 44_000)]
     prefetch = L2Prefetch(matrices, budget=1 << 40)
     lines = prefetch.ranges[:, 1] // LINE_BYTES
     turns = int(sum(-(-int(n) // (PROGRAMS * LINES)) for n in lines))
-    trace = torch.full((PROGRAMS, turns * LINES), -1, dtype=torch.int64, device=DEVICE)
+    trace = torch.full((PROGRAMS, turns * LINES), -1, dtype=torch.int64, device=device)
     prefetch_to_l2(prefetch, trace)
     issued = trace[trace >= 0].tolist()
     expected = [start // LINE_BYTES + i for start, length in prefetch.ranges.tolist()
@@ -79,9 +75,9 @@ def test_the_programs_together_issue_every_line_of_every_range_once():
     assert sorted(issued) == sorted(expected)
 
 
-def test_the_runner_prefetches_the_matrices_each_step_reads_next():
+def test_the_runner_prefetches_the_matrices_each_step_reads_next(device):
     with Artifact.open("ninfer/assets/demo.ninfer") as artifact:
-        fast = packed_model(artifact, DEVICE, dtype=torch.float32, max_context=64)
+        fast = packed_model(artifact, device, dtype=torch.float32, max_context=64)
     c = fast.config
     for i, kind in enumerate(c.layer_types):
         mixer = ["attention/query_key", "attention/gate_value"] if kind == "full_attention" else \

@@ -1,15 +1,13 @@
 """The GPU fast path's model runner against the reference model in fp32 — on the CPU under the Triton interpreter
 (CI), on CUDA when there is one: chunked prefill, batched decode, the MoE routes, quantized KV pages, prefix
 snapshots with shared pages, verify steps, the memory plan and slot accounting. The models are small random-weight
-ones (`tests/fast_support.py: small_artifact`, dense and MoE, q8: an interpreted decode step takes about 3 s, the
+ones (`tests/model/support.py: small_artifact`, dense and MoE, q8: an interpreted decode step takes about 3 s, the
 demo model's 8–9 s); the engine over the fast runner (GPU only) runs the demo model, whose tokenizer it needs. Decode
-steps are compared with the reference whose groupwise products see int8 activations (tests/fast_support.py), as
+steps are compared with the reference whose groupwise products see int8 activations (tests/model/support.py), as
 the fast path's integer GEMV does; prefill with the reference whose head alone does (the fast path's prefill head
 is the integer GEMV too). The same comparisons at real shapes on CUDA are in tests/test_fast_runner_gpu.py."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -22,12 +20,13 @@ from ninfer.engine import runner
 from ninfer.engine.kv_cache import CacheFullError
 from ninfer.engine.memory import MemoryPlanError, plan_memory
 from ninfer.errors import NinferError
+from ninfer.flags import triton_interpreted
 from ninfer.kernels import quant_linear
 from ninfer.model.config import TextConfig
 from ninfer.model.qwen3_5 import Qwen35Model
+from tests.conftest import COMPILING_REASON
 from tests.model.support import int8_activations, packed_model, small_artifact
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # tests/conftest.py decides
 DEMO = "ninfer/assets/demo.ninfer"
 FP32_TOLERANCE = 1e-4  # relative to the largest logit: fp32 on both sides, summation orders differ
 QUANTIZED_KV_TOLERANCE = {"int8": 0.03, "fp8": 0.1}  # KV rounding, relative to the largest logit
@@ -40,10 +39,10 @@ PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3, 8, 12, 13, 40, 41, 42, 43, 44, 45, 46,
           63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76]
 
 
-def _models(path, **options):
+def _models(path, device: str, **options):
     with Artifact.open(path) as artifact:
-        reference = Qwen35Model.from_artifact(artifact, DEVICE, torch.float32)
-        fast = packed_model(artifact, DEVICE, dtype=torch.float32, max_context=128, **options)
+        reference = Qwen35Model.from_artifact(artifact, device, torch.float32)
+        fast = packed_model(artifact, device, dtype=torch.float32, max_context=128, **options)
     return reference, fast
 
 
@@ -78,25 +77,31 @@ def _greedy_alone(fast, ids: list[int], tokens: int, ends: list[int] | None = No
     return out
 
 
-@pytest.fixture(scope="module")
-def paths(tmp_path_factory):
+@pytest.fixture(scope="module", params=[pytest.param("cpu", id="interpreter"),
+                                        pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")])
+def paths(request, tmp_path_factory):
+    """The small artifacts, and the device every test of the module runs on (as tests/conftest.py's `device`: the
+    interpreter in the CPU suite, CUDA under `pytest -m gpu`)."""
+    if request.param == "cpu" and not triton_interpreted():
+        pytest.skip(COMPILING_REASON)
     folder = tmp_path_factory.mktemp("small")
-    return {"dense": small_artifact(folder / "dense.ninfer"), "moe": small_artifact(folder / "moe.ninfer", moe=True)}
+    return {"device": request.param, "dense": small_artifact(folder / "dense.ninfer"),
+            "moe": small_artifact(folder / "moe.ninfer", moe=True)}
 
 
 @pytest.fixture(scope="module")
 def dense(paths):
-    return _models(paths["dense"], max_sequences=3, prefill_chunk=20)
+    return _models(paths["dense"], paths["device"], max_sequences=3, prefill_chunk=20)
 
 
 @pytest.fixture(scope="module")
 def moe(paths):
-    return _models(paths["moe"], max_sequences=2, prefill_chunk=60)
+    return _models(paths["moe"], paths["device"], max_sequences=2, prefill_chunk=60)
 
 
 @pytest.fixture(scope="module")
-def demo():
-    return _models(DEMO, max_sequences=3, prefill_chunk=20)
+def demo(paths):
+    return _models(DEMO, paths["device"], max_sequences=3, prefill_chunk=20)
 
 
 def test_chunked_prefill_and_batched_decode_equal_the_reference(dense, paths, monkeypatch):
@@ -164,7 +169,8 @@ def test_snapshot_restore_continues_like_the_original(dense):
 
 def test_warm_up_captures_every_bucket_and_leaves_the_pools_as_they_were(dense, monkeypatch):
     _, fast = dense
-    if DEVICE == "cpu":  # each interpreted prompt takes seconds: fewer lengths of both routes, the same bookkeeping
+    if fast.device.type == "cpu":  # each interpreted prompt takes seconds: fewer lengths of both routes, the same
+        # bookkeeping
         monkeypatch.setattr(runner, "SHORT_PREFILL_TOKENS", 2)
         monkeypatch.setattr(runner, "WARM_UP_LENGTHS", (17,))
     before, during = fast.new_state(64), fast.new_state(64)
@@ -173,7 +179,7 @@ def test_warm_up_captures_every_bucket_and_leaves_the_pools_as_they_were(dense, 
     expected = fast.decode([before], torch.tensor([7]))
     free_slots, free_pages = len(fast.cache.free_slots), len(fast.cache.free_pages)
     # interpreted, one decode step per bucket would cost seconds each: the bucket of one only (no graphs on the CPU)
-    assert fast.warm_up(max_batch=1 if DEVICE == "cpu" else None) > 0
+    assert fast.warm_up(max_batch=1 if fast.device.type == "cpu" else None) > 0
     assert (len(fast.cache.free_slots), len(fast.cache.free_pages)) == (free_slots, free_pages)
     if fast.use_graphs:  # (earlier tests of the module may have captured others)
         decode_graphs = {batch for batch, tokens, verify in fast.graphs if (tokens, verify) == (1, False)}
@@ -216,7 +222,7 @@ def test_moe_prefill_and_decode_routes_equal_the_reference(moe, paths):
 def test_exact_activations_give_decode_steps_the_references_numerics(model, paths):
     """`int8_activations=False`: batched decode steps (dense MLP or gathered experts, graphs on CUDA) equal the plain
     reference to fp32 rounding — the checking mode the real-shape GPU tests use."""
-    reference, fast = _models(paths[model], max_sequences=2, int8_activations=False)
+    reference, fast = _models(paths[model], paths["device"], max_sequences=2, int8_activations=False)
     prompts = [torch.tensor(PROMPT), torch.tensor([9, 8, 7])]
     ref_states = [reference.new_state(64) for _ in prompts]
     fast_states = [fast.new_state(64) for _ in prompts]
@@ -232,7 +238,7 @@ def test_exact_activations_give_decode_steps_the_references_numerics(model, path
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_kv_stays_close_to_the_reference(kv_dtype, paths):
-    models = _models(paths["dense"], max_sequences=1, kv_dtype=kv_dtype)
+    models = _models(paths["dense"], paths["device"], max_sequences=1, kv_dtype=kv_dtype)
     error = _prompt_then_one_step_error(*models, paths["dense"])
     assert 0 < error < QUANTIZED_KV_TOLERANCE[kv_dtype]  # nonzero: the pages really are quantized
 
@@ -242,7 +248,7 @@ def test_a_bf16_state_pool_stays_close_to_the_reference(paths):
     token; the bits of a several-token call against one-token calls are tests/test_gdn_decode.py's). A prompt through
     the prefill route (two chunks, the state carried through the pool) and a decode step stay close to the fp32
     reference."""
-    reference, fast = _models(paths["dense"], max_sequences=1, prefill_chunk=20, state_dtype="bf16")
+    reference, fast = _models(paths["dense"], paths["device"], max_sequences=1, prefill_chunk=20, state_dtype="bf16")
     assert fast.cache.recurrent.dtype == torch.bfloat16
     assert _prompt_then_one_step_error(reference, fast, paths["dense"]) < BF16_STATE_TOLERANCE
 
@@ -305,7 +311,7 @@ def test_engine_batches_decode_steps_on_the_fast_runner(demo):
     from ninfer.sampling import SamplingParams
 
     _, fast = demo
-    llm = LLM(device=DEVICE, dtype=torch.float32, runner="reference")  # the demo model, then the fast runner
+    llm = LLM(device=fast.device.type, dtype=torch.float32, runner="reference")  # the demo model, then the fast runner
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompts = [llm.tokenizer.encode(f"def f{i}(x):\n    return") for i in range(3)]
     expected = [_greedy_alone(fast, ids, params.max_tokens) for ids in prompts]
@@ -335,11 +341,11 @@ def test_engine_batches_decode_steps_on_the_fast_runner(demo):
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "q4", "bf16"])
-def test_every_recipe_runs_on_the_fast_path(tmp_path, recipe):
+def test_every_recipe_runs_on_the_fast_path(tmp_path, recipe, paths):
     """fp8 rows (FP8 GEMV, decoded prefill rows), the q4 mix (q4/q5/q6/q8 GEMV and dequantized prefill) and bf16
     (cuBLAS) on the small model (q8 in the other tests)."""
     path = small_artifact(tmp_path / f"{recipe}.ninfer", recipe)
-    reference, fast = _models(path, max_sequences=1)
+    reference, fast = _models(path, paths["device"], max_sequences=1)
     prompt = torch.tensor(PROMPT[:23])  # 23 tokens: the prefill route of every matrix
     ref_state, fast_state = reference.new_state(32), fast.new_state(32)
     with int8_activations(reference, path, head_only=True):
@@ -380,7 +386,7 @@ def test_engine_prefix_reuse_on_the_fast_runner(demo):
     from ninfer.sampling import SamplingParams
 
     _, fast = demo
-    llm = LLM(device=DEVICE, dtype=torch.float32, runner="reference")
+    llm = LLM(device=fast.device.type, dtype=torch.float32, runner="reference")
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     system = "You write short Python helpers."
     prompts = [llm.prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": question}],
@@ -410,7 +416,7 @@ def test_verify_equals_token_by_token_decode_and_accept_resumes(paths):
     each sequence exactly where decoding those j tokens would (GDN state from the verify snapshots). On the dense
     model only: snapshots and accept do not depend on the MLP, and the MoE's T-row pass of the decode kernels is
     `test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one`'s."""
-    _, fast = _models(paths["dense"], max_sequences=6, max_verify_tokens=2)
+    _, fast = _models(paths["dense"], paths["device"], max_sequences=6, max_verify_tokens=2)
     prompts = [torch.tensor(PROMPT[:9]), torch.tensor(PROMPT[9:14])]
     drafts = torch.tensor([[11, 12], [21, 22]])
     verified = [fast.new_state(32) for _ in prompts]
@@ -448,7 +454,7 @@ def test_a_batch_wider_than_the_batch_routes_token_tile_gives_each_sequence_its_
     routes = []
     route = quant_linear.gemv_route
     monkeypatch.setattr(quant_linear, "gemv_route", lambda *args: routes.append(route(*args)) or routes[-1])
-    _, fast = _models(paths["dense"], max_sequences=10)
+    _, fast = _models(paths["dense"], paths["device"], max_sequences=10)
     steps = [torch.arange(10) + 3, torch.arange(10) * 7 + 40]
     states = [fast.new_state(4) for _ in range(10)]
     batch = [fast.decode(states, tokens) for tokens in steps]

@@ -3,7 +3,7 @@ qwen3.8-27b and qwen3.6-35b-a3b presets at their real widths (q4 recipe), CUDA-g
 decode for each KV dtype, a long greedy generation equal between the fast path and the reference, and what the
 int8 activations of decode steps cost against the exact model. The structure of the path is checked with exact
 activations (`int8_activations=False`: the reference's numerics); the integer GEMVs of decode steps against the
-reference whose groupwise products see the same int8 activations (tests/fast_support.py).
+reference whose groupwise products see the same int8 activations (tests/model/support.py).
 
 The model comparisons run both paths in fp32: random-weight models at these widths are so sensitive that the
 reference in bf16 is itself 3-28 % (of the largest logit) away from the reference in fp32 (MoE routing flips
