@@ -12,7 +12,7 @@
 #     generation-prompt block edited by that repository's owner. The Qwen3.6 template differs from
 #     Qwen3.5's in exactly two lines, both taken from this copy: the preserve_thinking condition on past
 #     reasoning, and `args_value | string if args_value is string else args_value | tojson | safe`.
-# The result has the official size and MD5; tests/test_vocab.py pins both.
+# The result has the official size and MD5; tests/frontend/test_vocab.py pins both.
 """Frontend resource files an artifact embeds: tokenizer.json, tokenizer_config.json, the chat template.
 
 Every builder returns ``dict[str, bytes]`` (file name -> exact bytes); the bytes are deterministic, so

@@ -72,7 +72,7 @@ if triton is not None:
     @triton.jit
     def _spread_q6_pairs(h):
         """Bits (4j, 4j + 1) of h to bits (8j + 4, 8j + 5), j < 4 (two multiplies whose stray products fall outside
-        the masks; checked over every 16-bit h by tests/test_quant_linear.py)."""
+        the masks; checked over every 16-bit h by tests/kernels/test_quant_linear.py)."""
         return (((h & 0x0303) * 0x1010) & 0x00300030) | (((h & 0x3030) * 0x10100) & 0x30003000)
 
     @triton.jit
