@@ -39,7 +39,8 @@ def _positive(name: str, value: Any, optional: bool = False) -> None:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """Where and how the model runs: `device` (cpu, cuda, cuda:N), `dtype` (auto: fp32 on the CPU, bf16 on CUDA),
+    """Where and how the model runs: `device` (cpu, cuda, cuda:N), `dtype` (auto: fp32 on the CPU, bf16 on CUDA;
+    torch.float32 / torch.bfloat16 are taken too),
     `runner` (auto: the packed GPU model on CUDA when the model suits it; fast; reference)."""
 
     device: str = "cpu"
@@ -47,6 +48,9 @@ class RuntimeConfig:
     runner: str = "auto"
 
     def __post_init__(self) -> None:
+        names = {torch_dtype: name for name, torch_dtype in DTYPES.items() if torch_dtype is not None}
+        if isinstance(self.dtype, torch.dtype) and self.dtype in names:  # the Python API may pass torch's own
+            object.__setattr__(self, "dtype", names[self.dtype])
         _choice("dtype", self.dtype, tuple(DTYPES))
         _choice("runner", self.runner, RUNNERS)
 

@@ -114,7 +114,7 @@ def test_graph_replay_equals_eager_decode(kv_dtype, state_dtype):
         step = {m: m.decode(states[m][:batch], tokens[:batch]) for m in (graphed, eager)}
         assert torch.equal(step[graphed], step[eager]), f"batch {batch}"
         tokens = torch.cat([step[eager].argmax(-1), tokens[batch:]])
-    assert set(graphed.graphs) == {3, 5, 8, 10}
+    assert set(graphed.graphs) == {(3, 1, False), (5, 1, False), (8, 1, False), (10, 1, False)}  # (B, T, verify)
     assert len({graph.pool() for graph, _ in graphed.graphs.values()}) == 1
     # and every graph writes its logits into the one buffer of the model, not into a buffer of its own
     assert {logits.data_ptr() for _, logits in graphed.graphs.values()} == {graphed.logits.data_ptr()}
@@ -148,9 +148,10 @@ def test_graphed_verify_steps_and_short_prompts_equal_eager_ones(kv_dtype, state
         step = {m: m.decode(states[m][:batch], tokens[:batch]) for m in models}
         assert torch.equal(step[graphed], step[eager]), f"decode after verify {batch} x {drafts}"
         tokens = torch.cat([step[eager].argmax(-1), tokens[batch:]])
-    assert set(graphed.step_graphs) == {(1, 7, False), (1, 9, False), (1, 11, False), (3, 4, True), (1, 2, True),
-                                        (2, 3, True), (1, 1, True)}
-    graphs = [*graphed.graphs.values(), *graphed.step_graphs.values()]
+    # keyed (B, T, verify): the short prompts, the verify steps, the decode buckets
+    assert set(graphed.graphs) == {(1, 7, False), (1, 9, False), (1, 11, False), (3, 4, True), (1, 2, True),
+                                   (2, 3, True), (1, 1, True), (3, 1, False), (1, 1, False), (2, 1, False)}
+    graphs = list(graphed.graphs.values())
     assert len({graph.pool() for graph, _ in graphs}) == 1
     assert {logits.data_ptr() for _, logits in graphs} == {graphed.logits.data_ptr()}
 
