@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from ninfer import flags
 from ninfer.devices import synchronize
 from ninfer.engine.kv_cache import KVCache, SlotState
 from ninfer.engine.memory import MemoryPlan, logit_rows
-from ninfer.kernels.quant_linear import INTERPRETED
 from ninfer.model.qwen3_5_packed import STEP_TOKENS, PackedQwen35
 
 # decode graphs' batch sizes: a step of B sequences replays the graph of the smallest bucket ≥ B, whose padding
@@ -30,7 +30,7 @@ DECODE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64)
 # prompt pieces of up to this many tokens take the model's `step` instead of its prefill route: the gated delta step
 # unrolls its T tokens (one compiled kernel per T, all made by `warm_up`). Off (0) under the interpreter, which runs
 # those kernels program by program, far slower than the prefill route's torch ops
-SHORT_PREFILL_TOKENS = 0 if INTERPRETED else 16
+SHORT_PREFILL_TOKENS = 0 if flags.triton_interpreted() else 16
 # prefill-route prompt lengths of `warm_up`: every specialisation class of T and T · top_k (32: both divisible by 16;
 # 33: neither; 34: T · top_k only, for top_k 8)
 WARM_UP_LENGTHS = (32, 33, 34)

@@ -72,7 +72,7 @@ def shared_input(x: Activations, readers: list[PackedLinear]) -> Activations:
 
 
 # steps of up to this many tokens run two GEMVs of one input in one launch (`project`); measured on the H200 at 1
-# and 8 tokens (docs/performance.md)
+# and 8 tokens (docs/optimizations.md)
 PAIRED_GEMV_TOKENS = 8
 
 
@@ -89,7 +89,7 @@ def project(x: torch.Tensor | Int8Activations, readers: list[PackedLinear],
     (`quant_linear_gemv_pair`): neither waits for the other to finish, and the results have the bits of separate
     calls. As two launches in two graph branches, the smaller product (q|k) queued behind the larger one's programs
     and ended after it (27B, 8 tokens); the pair's kernel holds the registers of the larger of its two (v|z at 8
-    tokens: 242 alone, 244 paired), which costs q|k less than that wait (docs/performance.md)."""
+    tokens: 242 alone, 244 paired), which costs q|k less than that wait (docs/optimizations.md)."""
     outs = outs or [None] * len(readers)
     results: list[torch.Tensor] = []
     i = 0

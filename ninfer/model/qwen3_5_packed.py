@@ -37,7 +37,7 @@ from ninfer.kernels.gdn_decode import AB_IN_KERNEL_MAX_K, gated_delta_decode
 from ninfer.kernels.l2_prefetch import L2Prefetch, prefetch_to_l2
 from ninfer.kernels.norm import rms_norm_gated
 from ninfer.kernels.paged_attention import paged_attention_decode, qk_norm_rope, write_kv
-from ninfer.kernels.quant_linear import INTERPRETED, MAX_GEMV_TOKENS, group_pairs
+from ninfer.kernels.quant_linear import MAX_GEMV_TOKENS, group_pairs
 from ninfer.kernels.rope import rope_inv_freq
 from ninfer.model.branches import Branches
 from ninfer.model.config import FULL_ATTENTION, TextConfig
@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
 GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's matrices that read its input
 STEP_TOKENS = 16  # the most tokens a sequence appends in one `step` (short prompt piece or verify)
-MOE_TILE = 16 if INTERPRETED else 64  # (token, expert) pairs per tile of the grouped MoE prefill
+MOE_TILE = 16 if flags.triton_interpreted() else 64  # (token, expert) pairs per tile of the grouped MoE prefill
 
 
 def device_bytes(artifact: Artifact) -> int:
