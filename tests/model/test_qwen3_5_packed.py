@@ -134,7 +134,7 @@ def test_chunked_prefill_and_batched_decode_equal_the_reference(dense, paths, mo
 
 
 @pytest.mark.parametrize("model, head", [("dense", PROMPT[:20]), ("moe", [])])
-def test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one(model, head, request, monkeypatch):
+def test_a_short_prompt_gives_the_bits_of_decoding_its_tokens_one_by_one(model, head, request, monkeypatch, paths):
     """A prompt piece of at most SHORT_PREFILL_TOKENS takes one pass of the decode kernels over its T tokens: the
     logits and the state it leaves are those of T single-token decode steps, bit for bit (the same kernels, which
     do not depend on the row count), after a prefill-route chunk (dense) and from an empty state (MoE)."""
