@@ -193,7 +193,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.is_file():
         raise NinferError(f"{args.model}: no such file")
     slots = max(args.batch_sizes)
-    config = from_args(args, sequences=slots, max_concurrency=slots,
+    config = from_args(args, max_concurrency=slots,
                        max_context=max(args.prompt_lengths) + args.new_tokens + 1)
     llm = LLM(args.model, config, progress=not args.json)
     lengths = [min(p, llm.max_context - args.new_tokens - 1) for p in args.prompt_lengths]

@@ -42,7 +42,7 @@ def _read_messages(path: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 def run_command(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.is_file():
         raise NinferError(f"{args.model}: no such file")
-    llm = LLM(args.model, from_args(args, sequences=1, max_concurrency=1))
+    llm = LLM(args.model, from_args(args, max_concurrency=1))
     overrides = {flag: getattr(args, flag) for flag in SAMPLING_FLAGS if getattr(args, flag) is not None}
     if args.greedy:
         overrides["temperature"] = 0.0

@@ -30,6 +30,7 @@ from ninfer.engine.output import Completion
 from ninfer.engine.sequence import Finished, Request
 from ninfer.errors import NinferError
 from ninfer.frontend import ChatTemplate, Tokenizer
+from ninfer.model.qwen3_5 import Qwen35Model
 from ninfer.sampling import SamplingParams
 
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent.parent / "assets" / "demo.ninfer"
@@ -65,7 +66,7 @@ class LLM:
             has_template = any(artifact.component_resource("text", role) is not None
                                for role in ("chat_template.jinja", "tokenizer_config.json"))
             self.template = ChatTemplate.from_artifact(artifact) if has_template else None
-        self.fast = self.model.max_batch is not None  # the packed GPU model (its sequences are slots of its pools)
+        self.fast = not isinstance(self.model, Qwen35Model)  # the packed GPU model behind its graph runner
         self.engine = Engine(self, config.scheduler)
         self.load_seconds = time.perf_counter() - started
 

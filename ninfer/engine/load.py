@@ -44,14 +44,15 @@ def load_model(artifact: Artifact, engine: EngineConfig, device: torch.device, d
     if runner == "fast" and reason:
         raise NinferError(f"the fast path cannot run this model: {reason}")
     cache_config = engine.cache
-    if runner == "reference" or reason is not None:
-        context = context_of(config, engine, packed=False)
+    packed = runner != "reference" and reason is None
+    context = context_of(config, engine, packed)
+    if not packed:
         model = Qwen35Model.from_artifact(artifact, device, dtype)
         model.kv_capacity = cache_config.kv_capacity or cache_config.sequences * context
         return model, context
-    return load_packed(artifact, cache_config, context_of(config, engine, packed=True), device, dtype,
-                       graphs=graphs, max_verify_tokens=max_verify_tokens, int8_activations=int8_activations,
-                       progress=progress), context_of(config, engine, packed=True)
+    return load_packed(artifact, cache_config, context, device, dtype, graphs=graphs,
+                       max_verify_tokens=max_verify_tokens, int8_activations=int8_activations,
+                       progress=progress), context
 
 
 def load_packed(artifact: Artifact, cache_config: CacheConfig, context: int, device: torch.device,

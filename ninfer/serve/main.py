@@ -57,7 +57,7 @@ def serve_command(args: argparse.Namespace) -> int:
     path = args.model if args.model is not None else DEFAULT_ARTIFACT
     if not path.is_file():
         raise NinferError(f"{path}: no such file")
-    config = from_args(args, sequences=args.max_concurrency)
+    config = from_args(args)  # the cache's sequence slots follow --max-concurrency
     sock = bind(args.host, args.port)
     try:
         llm = LLM(path, config)

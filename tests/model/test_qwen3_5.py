@@ -154,3 +154,28 @@ def test_mtp_head_matches_the_transformers_layer_form(tmp_path, moe):
         first = ours.mtp_logits(trunk[:20], ids[1:21], mtp_state)  # in two calls: the head's cache carries
         second = ours.mtp_logits(trunk[20:-1], ids[21:], mtp_state)
     torch.testing.assert_close(torch.cat([first, second]), expected.float(), atol=FP32_LOGITS_ATOL, rtol=0)
+
+
+def test_reference_verify_equals_token_by_token_decode_and_accept_resumes():
+    """The reference's verify step (the `Model` protocol's, for speculative decoding) gives the logits of decoding
+    the drafts one by one, and accepting j of them leaves each sequence where decoding those j tokens would."""
+    with open_artifact("ninfer/assets/demo.ninfer") as artifact:
+        model = Qwen35Model.from_artifact(artifact)
+    prompts = [torch.tensor([5, 17, 300, 42]), torch.tensor([7, 99, 1000])]
+    drafts = torch.tensor([[3, 8, 12], [40, 41, 42]])
+    verified = [model.new_state(16) for _ in prompts]
+    stepped = [model.new_state(16) for _ in prompts]
+    for prompt, a, b in zip(prompts, verified, stepped, strict=True):
+        model.prefill(prompt, a)
+        model.prefill(prompt, b)
+    logits = model.verify(verified, drafts)
+    expected = torch.stack([model.decode(stepped, drafts[:, t]) for t in range(3)], dim=1)
+    assert torch.equal(logits, expected)
+    with pytest.raises(ValueError, match="accept the previous verify step"):
+        model.verify(verified, drafts)
+    model.accept(verified, [1, 3])  # sequence 0 keeps its first draft, sequence 1 all three
+    assert [s.length for s in verified] == [5, 6]
+    kept = model.new_state(16)
+    model.prefill(torch.cat([prompts[0], drafts[0, :1]]), kept)
+    nxt = torch.tensor([30, 31])
+    assert torch.allclose(model.decode(verified, nxt), model.decode([kept, stepped[1]], nxt), rtol=0, atol=1e-5)
