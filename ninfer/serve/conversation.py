@@ -120,7 +120,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "repetition_penalty", "seed", "ignore_eos")
 
 
-def sampling_params(state: ServerState, prompt_tokens: int, sampling: Sampling) -> SamplingParams:
+def sampling_params(state: ServerState, sampling: Sampling) -> SamplingParams:
     """SamplingParams of a request: the artifact's generation_config defaults, overridden by every field the request
     sets. The output budget is resolved against the context at admission (finish reason "length" when the context
     binds); empty stop strings are dropped. Raises APIError 400 naming the field when a value is outside its domain."""
@@ -168,5 +168,5 @@ def engine_request(state: ServerState, conversation: Conversation, sampling: Sam
     """The engine request: the conversation rendered and tokenized (400 when it leaves no room to generate), then
     the sampling resolved against what the context leaves."""
     ids = prompt_ids(state, conversation)
-    return Request(ids, sampling_params(state, len(ids), sampling), thinking=conversation.thinking,
+    return Request(ids, sampling_params(state, sampling), thinking=conversation.thinking,
                    tools_enabled=conversation.tools_enabled, request_id=request_id)
