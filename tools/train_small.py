@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import shutil
 import sys
 import time
@@ -37,6 +38,7 @@ TOKENIZER_DIR = ROOT / "data" / "tokenizer"
 MTP_WEIGHT = 0.3
 CALIBRATION_STEPS = 40  # < warmup: the learning rate until then does not depend on the total step count
 AUX_WEIGHT = 0.01  # MoE load balancing
+IGNORE = -100  # cross-entropy target of an id no loss is taken on
 
 # Model shapes: dense about 10 M and MoE about 14 M parameters with a 4,096-token vocabulary.
 COMMON = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -112,17 +114,22 @@ def build(kind: str, tiny: bool, special_ids: dict[str, int], device: torch.devi
     return model.to(device), mtp.to(device)
 
 
-def losses(model, mtp, batch: torch.Tensor, moe: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """(main next-token loss, MTP next-next-token loss, MoE aux loss, stats) for windows [B, T + 2]."""
+def losses(model, mtp, batch: torch.Tensor, moe: bool,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """(main next-token loss, MTP next-next-token loss, MoE aux loss, stats) for windows [B, T + 2].
+
+    `mask` [B, T + 2] (bool): the ids a loss is taken on (chat windows: the answers); None takes every id."""
     inputs = batch[:, :-1]  # [B, T+1]: the trunk sees T+1 tokens
     out = model.model(input_ids=inputs, output_router_logits=moe)
     hidden = out.last_hidden_state  # after the final norm
+    targets = batch if mask is None else batch.masked_fill(~mask, IGNORE)
     logits = model.lm_head(hidden[:, :-1]).float()
-    main = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:-1].reshape(-1))
+    main = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, 1:-1].reshape(-1), ignore_index=IGNORE)
     next_embeddings = model.model.embed_tokens(batch[:, 1:-1])
     mtp_hidden = mtp(hidden[:, :-1], next_embeddings, model.model.rotary_emb)
     mtp_logits = model.lm_head(mtp_hidden).float()
-    mtp_loss = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.shape[-1]), batch[:, 2:].reshape(-1))
+    mtp_loss = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.shape[-1]), targets[:, 2:].reshape(-1),
+                               ignore_index=IGNORE)
     aux = torch.zeros((), device=batch.device)
     if moe:
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
@@ -130,9 +137,23 @@ def losses(model, mtp, batch: torch.Tensor, moe: bool) -> tuple[torch.Tensor, to
         aux = load_balancing_loss_func(out.router_logits, model.config.num_experts,
                                        model.config.num_experts_per_tok, None)
     with torch.no_grad():
-        stats = {"main_top1": float((logits.argmax(-1) == batch[:, 1:-1]).float().mean()),
-                 "mtp_top1": float((mtp_logits.argmax(-1) == batch[:, 2:]).float().mean())}
+        stats = {"main_top1": top1(logits, targets[:, 1:-1]), "mtp_top1": top1(mtp_logits, targets[:, 2:])}
     return main, mtp_loss, aux, stats
+
+
+def top1(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Fraction of the counted targets (not IGNORE) that are the logits' argmax."""
+    counted = targets != IGNORE
+    return float(((logits.argmax(-1) == targets) & counted).sum() / counted.sum().clamp(min=1))
+
+
+def chat_windows(examples, count: int, length: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` packed chat windows (ids [count, length], answer mask [count, length]); see chat_data.pack."""
+    from chat_data import pack
+
+    packed = [pack(examples, length, rng) for _ in range(count)]
+    return (torch.tensor([ids for ids, _ in packed], dtype=torch.long),
+            torch.tensor([mask for _, mask in packed], dtype=torch.bool))
 
 
 def windows(ids: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -168,6 +189,24 @@ def evaluate(model, mtp, ids: torch.Tensor, seq: int, batch: int, device: torch.
     result = {k: v / n for k, v in totals.items()}
     result["main_ppl"] = math.exp(result["main"])
     return result
+
+
+@torch.no_grad()
+def evaluate_chat(model, mtp, ids: torch.Tensor, mask: torch.Tensor, batch: int, device: torch.device, moe: bool,
+                  autocast) -> dict:
+    """Held-out loss and top-1 on the answer ids of packed chat windows (ids, mask [N, T + 2])."""
+    model.eval()
+    mtp.eval()
+    totals = {"main": 0.0, "main_top1": 0.0}
+    for i in range(0, ids.shape[0], batch):
+        with autocast():
+            main, _, _, stats = losses(model, mtp, ids[i : i + batch].to(device), moe, mask[i : i + batch].to(device))
+        count = ids[i : i + batch].shape[0]
+        totals["main"] += float(main) * count
+        totals["main_top1"] += stats["main_top1"] * count
+    model.train()
+    mtp.train()
+    return {k: v / ids.shape[0] for k, v in totals.items()}
 
 
 def official_state_dict(model, mtp) -> dict[str, torch.Tensor]:
@@ -213,20 +252,33 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes for a CPU smoke test")
     parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--chat-steps", type=int, default=0, help="steps of a chat stage after pretraining: "
+                        "requests built from the corpus's documented functions, answered with their source "
+                        "(tools/chat_data.py); the loss is taken on the answers")
+    parser.add_argument("--chat-fraction", type=float, default=0.5,
+                        help="share of each chat-stage batch that is chat windows (the rest: plain windows)")
     args = parser.parse_args()
     if (args.steps is None) == (args.time_budget is None):
         parser.error("give exactly one of --steps and --time-budget")
     if args.warmup <= CALIBRATION_STEPS:
         parser.error(f"--warmup must exceed {CALIBRATION_STEPS}")
 
-    from corpus import load_split
+    from chat_data import chat_examples
+    from corpus import documents, load_split
     from tokenizers import Tokenizer
+
+    from ninfer.frontend import ChatTemplate
 
     from ninfer.devices import synchronize
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     tokenizer = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    template = ChatTemplate((TOKENIZER_DIR / "chat_template.jinja").read_text())
+
+    def encode(text: str) -> list[int]:  # special tokens recognised, as LLM.prompt_ids encodes a rendered prompt
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
     special = {t: tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}
     started = time.time()
     train_ids = torch.tensor(tokenizer.encode(load_split("train")).ids, dtype=torch.long)
@@ -253,6 +305,37 @@ def main() -> None:
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
+    def chat_lr_at(step: int) -> float:  # from the pretraining's final rate down to a tenth of it
+        return args.lr * 0.1 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.chat_steps)))
+
+    def train_step(step: int, lr: float, batch: torch.Tensor, mask: torch.Tensor | None, stage: str) -> None:
+        nonlocal steps_done
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with autocast():
+            main, mtp_loss, aux, stats = losses(model, mtp, batch, moe, mask)
+            loss = main + MTP_WEIGHT * mtp_loss + AUX_WEIGHT * aux
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        steps_done += 1
+        last = step + 1 == (args.steps if stage == "step" else args.chat_steps)
+        if step % args.log_every == 0 or last:
+            elapsed = time.time() - train_started
+            main, mtp_loss, aux = main.detach(), mtp_loss.detach(), aux.detach()
+            entry = {"stage": stage, "step": step, "loss": float(main), "mtp_loss": float(mtp_loss),
+                     "aux": float(aux), "lr": lr, "seconds": round(elapsed, 1), **stats}
+            history.append(entry)
+            tokens = steps_done * args.batch * args.seq
+            print(f"{stage} {step:5d}  loss {float(main):.3f}  mtp {float(mtp_loss):.3f}  top1 {stats['main_top1']:.3f}"
+                  f"  mtp_top1 {stats['mtp_top1']:.3f}  {tokens / max(elapsed, 1e-9):,.0f} tok/s", flush=True)
+
+    if args.chat_steps:
+        chat_train, chat_test = (chat_examples(documents(load_split(split)), template, encode, seed=args.seed)
+                                 for split in ("train", "test"))
+        print(f"chat: {len(chat_train):,d} train / {len(chat_test):,d} test examples", flush=True)
+        chat_rng = random.Random(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     history = []
     train_started = time.time()
@@ -268,34 +351,31 @@ def main() -> None:
             per_step = (time.time() - calibration_start) / (CALIBRATION_STEPS - 10)
             args.steps = max(CALIBRATION_STEPS + 1, int(60 * args.time_budget / per_step))
             print(f"calibrated: {per_step * 1000:.0f} ms per step -> --steps {args.steps}", flush=True)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
         batch = windows(train_ids, args.batch, args.seq + 2, generator).to(device, non_blocking=True)
-        with autocast():
-            main, mtp_loss, aux, stats = losses(model, mtp, batch, moe)
-            loss = main + MTP_WEIGHT * mtp_loss + AUX_WEIGHT * aux
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        steps_done = step + 1
-        if step % args.log_every == 0 or step + 1 == args.steps:
-            elapsed = time.time() - train_started
-            main, mtp_loss, aux = main.detach(), mtp_loss.detach(), aux.detach()
-            entry = {"step": step, "loss": float(main), "mtp_loss": float(mtp_loss), "aux": float(aux),
-                     "lr": lr_at(step), "seconds": round(elapsed, 1), **stats}
-            history.append(entry)
-            tokens = steps_done * args.batch * args.seq
-            print(f"step {step:5d}  loss {float(main):.3f}  mtp {float(mtp_loss):.3f}  top1 {stats['main_top1']:.3f}"
-                  f"  mtp_top1 {stats['mtp_top1']:.3f}  {tokens / max(elapsed, 1e-9):,.0f} tok/s", flush=True)
+        train_step(step, lr_at(step), batch, None, "step")
         step += 1
+    if args.chat_steps:
+        chat_count = max(1, round(args.batch * args.chat_fraction))
+        for chat_step in range(args.chat_steps):
+            ids, mask = chat_windows(chat_train, chat_count, args.seq + 2, chat_rng)
+            raw = windows(train_ids, args.batch - chat_count, args.seq + 2, generator)
+            batch = torch.cat([ids, raw]).to(device, non_blocking=True)
+            mask = torch.cat([mask, torch.ones_like(raw, dtype=torch.bool)]).to(device, non_blocking=True)
+            train_step(chat_step, chat_lr_at(chat_step), batch, mask, "chat")
     train_seconds = time.time() - train_started
     held_out = evaluate(model, mtp, test_ids, args.seq, args.batch, device, moe, autocast)
     print(f"held-out: loss {held_out['main']:.3f} (ppl {held_out['main_ppl']:.2f}), top1 {held_out['main_top1']:.3f}, "
           f"mtp top1 {held_out['mtp_top1']:.3f}", flush=True)
+    held_out_chat = None
+    if args.chat_steps:
+        ids, mask = chat_windows(chat_test, 64, args.seq + 2, random.Random(args.seed))
+        held_out_chat = evaluate_chat(model, mtp, ids, mask, args.batch, device, moe, autocast)
+        print(f"held-out chat answers: loss {held_out_chat['main']:.3f}, top1 {held_out_chat['main_top1']:.3f}",
+              flush=True)
     log = {"model": args.model, "args": {k: str(v) for k, v in vars(args).items()}, "parameters": params,
            "steps_done": steps_done, "train_seconds": round(train_seconds, 1),
-           "tokens_seen": steps_done * args.batch * args.seq, "held_out": held_out, "history": history,
+           "tokens_seen": steps_done * args.batch * args.seq, "held_out": held_out, "held_out_chat": held_out_chat,
+           "history": history,
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     save_checkpoint(args.out, model, mtp, args.model, log)
     print(f"saved {args.out} ({steps_done} steps, {train_seconds:.0f} s)", flush=True)
