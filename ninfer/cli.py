@@ -1,7 +1,8 @@
 """The `ninfer` command: run, bench, serve, convert, synth, inspect, verify, ppl, kl.
 
 Results go to stdout, progress and errors to stderr; an error is one line and a non-zero exit code
-(2 for bad input to convert / synth and bad flags, 1 for an unsound artifact).
+(2 for bad input to convert / synth and bad flags, 1 for an unsound artifact). Every flag's range and every path
+is checked as the command line is parsed (`ninfer.cli_types`), before any work.
 """
 
 from __future__ import annotations
@@ -9,9 +10,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import ninfer
+from ninfer.cli_types import (
+    Parser,
+    UsageError,
+    existing_dir,
+    existing_file,
+    finite_float,
+    int_at_least,
+    positive_int,
+    positive_int_list,
+    token_ids,
+    writable_file,
+)
 from ninfer.errors import NinferError
 
 EXIT_UNSOUND = 1
@@ -27,23 +39,14 @@ def _artifact_id(text: str) -> bytes:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
-
-
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
-    from ninfer.artifact.framing import DEFAULT_PART_CAP
+    from ninfer.artifact.framing import DEFAULT_PART_CAP, PART_PAYLOAD_OFFSET
 
-    parser.add_argument("--out", required=True, type=Path, help="the .ninfer file to write")
+    parser.add_argument("--out", required=True, type=writable_file, help="the .ninfer file to write")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--artifact-id", type=_artifact_id,
                         help="fixed 16-byte artifact id (32 hex digits or a UUID): makes the output reproducible")
-    parser.add_argument("--part-size", type=_positive_int, default=DEFAULT_PART_CAP,
+    parser.add_argument("--part-size", type=int_at_least(PART_PAYLOAD_OFFSET + 1), default=DEFAULT_PART_CAP,
                         help="largest file in bytes; bigger artifacts continue in NAME.ninfer.part-NNNN files "
                              "(default %(default)s)")
     parser.add_argument("--device", default="cpu", help="where to quantize: cpu or cuda (default cpu)")
@@ -53,7 +56,7 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from ninfer.convert.recipes import RECIPES
 
-    parser = argparse.ArgumentParser(prog="ninfer", description=__doc__.splitlines()[0])
+    parser = Parser(prog="ninfer", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"ninfer {ninfer.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -63,10 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parsers(commands)
 
     convert = commands.add_parser("convert", help="convert a Hugging Face Qwen3.5 checkpoint folder")
-    convert.add_argument("--model", required=True, type=Path, help="the checkpoint folder (config.json, safetensors)")
+    convert.add_argument("--model", required=True, type=existing_dir,
+                         help="the checkpoint folder (config.json, safetensors)")
     convert.add_argument("--recipe", required=True, choices=RECIPES, help="how to store the weights")
-    convert.add_argument("--tokenizer", type=Path, help="take tokenizer.json / tokenizer_config.json / the chat "
-                                                        "template from this folder")
+    convert.add_argument("--tokenizer", type=existing_dir,
+                         help="take tokenizer.json / tokenizer_config.json / the chat template from this folder")
     convert.add_argument("--name", help="model name recorded in the artifact (default: the folder's name)")
     _add_output_flags(convert)
 
@@ -76,15 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--preset", required=True, choices=list(PRESETS))
     synth.add_argument("--recipe", required=True, choices=RECIPES)
     synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (a slice)")
+    synth.add_argument("--layers", type=positive_int, default=None,
+                       help="keep only the first N decoder layers (a slice)")
     _add_output_flags(synth)
 
     inspect = commands.add_parser("inspect", help="components, configs, objects and totals of an artifact")
-    inspect.add_argument("file", type=Path)
+    inspect.add_argument("file", type=existing_file)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
 
     verify = commands.add_parser("verify", help="check structure, SHA256SUMS and that every object decodes")
-    verify.add_argument("file", type=Path)
+    verify.add_argument("file", type=existing_file)
     verify.add_argument("--quiet", action="store_true", help="no progress bars")
     verify.add_argument("--device", default="cpu", help="where to decode: cpu or cuda (default cpu)")
     return parser
@@ -92,24 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_run_parser(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser("run", help="generate text (with no MODEL: the embedded demo model)")
-    run.add_argument("model", nargs="?", type=Path, help="a .ninfer artifact (default: the embedded demo model)")
+    run.add_argument("model", nargs="?", type=existing_file,
+                     help="a .ninfer artifact (default: the embedded demo model)")
     source = run.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the user's message (or, with --raw, the whole prompt text)")
-    source.add_argument("--messages", type=Path, help="a JSON file: a list of chat messages, or an object with "
-                                                      "'messages' and optional 'tools'")
-    source.add_argument("--prompt-ids", type=_token_ids, help="the prompt as comma-separated token ids")
+    source.add_argument("--messages", type=existing_file,
+                        help="a JSON file: a list of chat messages, or an object with 'messages' and optional 'tools'")
+    source.add_argument("--prompt-ids", type=token_ids, help="the prompt as comma-separated token ids")
     run.add_argument("--raw", action="store_true", help="no chat template: the prompt text is tokenized as is")
     run.add_argument("--no-thinking", action="store_true", help="render the chat template with thinking off")
-    run.add_argument("--max-new", type=_positive_int, default=256, help="most tokens to generate (default 256)")
-    run.add_argument("--max-context", type=_positive_int, help="context length (default: the model's)")
+    run.add_argument("--max-new", type=positive_int, default=256, help="most tokens to generate (default 256)")
+    run.add_argument("--max-context", type=positive_int, help="context length (default: the model's)")
     run.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
-    run.add_argument("--temperature", type=float)
+    # the sampling flags' ranges are SamplingParams' own, checked by `ninfer run` before the model loads
+    run.add_argument("--temperature", type=finite_float)
     run.add_argument("--top-k", type=int)
-    run.add_argument("--top-p", type=float)
-    run.add_argument("--min-p", type=float)
-    run.add_argument("--presence-penalty", type=float)
-    run.add_argument("--frequency-penalty", type=float)
-    run.add_argument("--repetition-penalty", type=float)
+    run.add_argument("--top-p", type=finite_float)
+    run.add_argument("--min-p", type=finite_float)
+    run.add_argument("--presence-penalty", type=finite_float)
+    run.add_argument("--frequency-penalty", type=finite_float)
+    run.add_argument("--repetition-penalty", type=finite_float)
     run.add_argument("--seed", type=int, help="same seed, same output")
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -117,6 +124,7 @@ def _add_run_parser(commands: argparse._SubParsersAction) -> None:
                      help="compute dtype (default auto: fp32 on the CPU, bf16 on CUDA)")
     run.add_argument("--print-token-ids", action="store_true", help="print the generated ids after the text")
     _add_runner_flags(run)
+    _add_verify_weights_flag(run)
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -124,47 +132,45 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
 
     serve = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (with no MODEL: the "
                                               "embedded demo model)")
-    add_arguments(serve, _positive_int)
+    add_arguments(serve)
     _add_runner_flags(serve)
+    _add_verify_weights_flag(serve)
+
+
+def _add_verify_weights_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verify-weights", action="store_true",
+                        help="hash every weight at load against the SHA-256 the artifact records, before using it "
+                             "(the embedded demo model always is)")
 
 
 def _add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     ppl = commands.add_parser("ppl", help="perplexity of a model on a text file (windowed, teacher-forced)")
-    ppl.add_argument("model", type=Path, help="a .ninfer artifact")
+    ppl.add_argument("model", type=existing_file, help="a .ninfer artifact")
     kl = commands.add_parser("kl", help="KL divergence of a model from a reference model on a text file")
-    kl.add_argument("reference", type=Path, help="the reference .ninfer artifact (same tokenizer)")
-    kl.add_argument("model", type=Path, help="the .ninfer artifact to compare with it")
+    kl.add_argument("reference", type=existing_file, help="the reference .ninfer artifact (same tokenizer)")
+    kl.add_argument("model", type=existing_file, help="the .ninfer artifact to compare with it")
     for parser in (ppl, kl):
-        parser.add_argument("--text", required=True, type=Path, help="a UTF-8 text file (.txt, or .txt.xz)")
-        parser.add_argument("--context", type=_positive_int, default=512, help="tokens per window (default 512)")
-        parser.add_argument("--stride", type=_positive_int, default=256,
+        parser.add_argument("--text", required=True, type=existing_file, help="a UTF-8 text file (.txt, or .txt.xz)")
+        parser.add_argument("--context", type=positive_int, default=512, help="tokens per window (default 512)")
+        parser.add_argument("--stride", type=positive_int, default=256,
                             help="tokens between window starts; each window scores the positions the previous "
                                  "one did not (default 256)")
-        parser.add_argument("--max-tokens", type=_positive_int, help="score only the text's first N tokens")
+        parser.add_argument("--max-tokens", type=positive_int, help="score only the text's first N tokens")
         parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
         parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                             help="compute dtype (default auto: fp32 on the CPU, bf16 on CUDA)")
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
-    return values
-
-
 def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="prefill and decode speed as fractions of this machine's measured "
                                               "bandwidth and matmul limits")
-    bench.add_argument("model", nargs="?", type=Path, help="a .ninfer artifact (default: the embedded demo model)")
-    bench.add_argument("-p", "--prompt-lengths", type=_int_list, default=[512, 8192],
+    bench.add_argument("model", nargs="?", type=existing_file,
+                       help="a .ninfer artifact (default: the embedded demo model)")
+    bench.add_argument("-p", "--prompt-lengths", type=positive_int_list, default=[512, 8192],
                        help="prefill lengths (default 512,8192; capped by the context)")
-    bench.add_argument("-n", "--new-tokens", type=_positive_int, default=128, help="decode steps (default 128)")
-    bench.add_argument("-b", "--batch-sizes", type=_int_list, default=[1, 2, 4, 8], help="default 1,2,4,8")
+    bench.add_argument("-n", "--new-tokens", type=positive_int, default=128, help="decode steps (default 128)")
+    bench.add_argument("-b", "--batch-sizes", type=positive_int_list, default=[1, 2, 4, 8], help="default 1,2,4,8")
     bench.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     bench.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
     _add_runner_flags(bench)
@@ -180,7 +186,7 @@ def _add_runner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32",
                         help="fast path GDN recurrent-state precision as stored (default fp32, the models' own; bf16 "
                              "halves its memory and traffic, computing in fp32 either way)")
-    parser.add_argument("--prefill-chunk", type=_positive_int, default=None,
+    parser.add_argument("--prefill-chunk", type=positive_int, default=None,
                         help="prompt tokens per prefill pass of the model (default 4096; the memory plan reserves "
                              "room for one)")
 
@@ -190,8 +196,6 @@ def _bench(args: argparse.Namespace) -> int:
     from ninfer.engine import LLM
     from ninfer.eval.bench import format_report, report_json, run_bench
 
-    if args.model is not None and not args.model.is_file():
-        raise NinferError(f"{args.model}: no such file")
     slots = max(args.batch_sizes)
     config = from_args(args, max_concurrency=slots,
                        max_context=max(args.prompt_lengths) + args.new_tokens + 1)
@@ -202,16 +206,6 @@ def _bench(args: argparse.Namespace) -> int:
     report = run_bench(llm, sorted(set(lengths)), args.new_tokens, args.batch_sizes)
     print(json.dumps(report_json(report), indent=1) if args.json else format_report(report))
     return 0
-
-
-def _token_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("no token ids given")
-    return ids
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -229,6 +223,8 @@ def _run(args: argparse.Namespace) -> int:
         from ninfer.eval.perplexity import kl_command, ppl_command
 
         return ppl_command(args) if args.command == "ppl" else kl_command(args)
+    if args.command in ("convert", "synth") and args.out.exists() and not args.force:
+        raise NinferError(f"{args.out} exists; pass --force to replace it")
     if args.command == "convert":
         from ninfer.convert.checkpoint import convert_checkpoint
 
@@ -272,7 +268,13 @@ def _print_written(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line `argv` (default: sys.argv); returns the exit code (a refused command line: one line on
+    stderr and 2)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         return _run(args)
     except NinferError as exc:

@@ -18,6 +18,8 @@ DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp32": torch.float32, "b
 RUNNERS = ("auto", "fast", "reference")
 KV_DTYPE_NAMES = ("bf16", "int8", "fp8")
 STATE_DTYPE_NAMES = ("fp32", "bf16")
+SPEC_METHODS = ("none", "mtp")
+MAX_DRAFT_TOKENS = 8
 FAST_DEFAULT_CONTEXT = 32768  # the packed GPU model's context when none is given (its KV pool is planned for it)
 
 
@@ -41,11 +43,14 @@ def _positive(name: str, value: Any, optional: bool = False) -> None:
 class RuntimeConfig:
     """Where and how the model runs: `device` (cpu, cuda, cuda:N), `dtype` (auto: fp32 on the CPU, bf16 on CUDA;
     torch.float32 / torch.bfloat16 are taken too),
-    `runner` (auto: the packed GPU model on CUDA when the model suits it; fast; reference)."""
+    `runner` (auto: the packed GPU model on CUDA when the model suits it; fast; reference), `verify_weights` (hash
+    every object at load against the SHA-256 the artifact records, before using it; the embedded demo model always
+    is)."""
 
     device: str = "cpu"
     dtype: str = "auto"
     runner: str = "auto"
+    verify_weights: bool = False
 
     def __post_init__(self) -> None:
         names = {torch_dtype: name for name, torch_dtype in DTYPES.items() if torch_dtype is not None}
@@ -53,6 +58,8 @@ class RuntimeConfig:
             object.__setattr__(self, "dtype", names[self.dtype])
         _choice("dtype", self.dtype, tuple(DTYPES))
         _choice("runner", self.runner, RUNNERS)
+        if not isinstance(self.verify_weights, bool):
+            raise ConfigError(f"verify_weights must be True or False, not {self.verify_weights!r}")
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         return DTYPES[self.dtype] or (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -106,10 +113,29 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: `spec` (none; mtp: the artifact's MTP head drafts, the model verifies), `draft_tokens`
+    (drafts per round, 1..MAX_DRAFT_TOKENS; None: chosen per round from the sequence's acceptance and the measured
+    round cost)."""
+
+    spec: str = "none"
+    draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _choice("spec", self.spec, SPEC_METHODS)
+        _positive("draft_tokens", self.draft_tokens, optional=True)
+        if self.draft_tokens is not None and self.draft_tokens > MAX_DRAFT_TOKENS:
+            raise ConfigError(f"draft_tokens must be 1..{MAX_DRAFT_TOKENS}, not {self.draft_tokens}")
+        if self.draft_tokens is not None and self.spec == "none":
+            raise ConfigError("draft_tokens needs a speculative method (spec='mtp')")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.scheduler.max_concurrency > self.cache.sequences:
@@ -120,9 +146,10 @@ class EngineConfig:
     def create(cls, **values: Any) -> EngineConfig:
         """A configuration from flat keywords, each the name of a field of one part (`device=`, `kv_dtype=`,
         `max_concurrency=`, ...); unknown names are refused. `sequences` defaults to `max_concurrency`."""
-        parts: dict[str, dict[str, Any]] = {"runtime": {}, "cache": {}, "scheduler": {}}
-        owners = {f.name: part for part, kind in (("runtime", RuntimeConfig), ("cache", CacheConfig),
-                                                  ("scheduler", SchedulerConfig)) for f in fields(kind)}
+        kinds = {"runtime": RuntimeConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                 "speculative": SpeculativeConfig}
+        parts: dict[str, dict[str, Any]] = {part: {} for part in kinds}
+        owners = {f.name: part for part, kind in kinds.items() for f in fields(kind)}
         for name, value in values.items():
             if name not in owners:
                 raise ConfigError(f"unknown option {name!r}; known: {', '.join(sorted(owners))}")
@@ -132,15 +159,14 @@ class EngineConfig:
         elif "sequences" in parts["cache"]:
             parts["scheduler"]["max_concurrency"] = min(parts["cache"]["sequences"],
                                                         SchedulerConfig.max_concurrency)
-        return cls(RuntimeConfig(**parts["runtime"]), CacheConfig(**parts["cache"]),
-                   SchedulerConfig(**parts["scheduler"]))
+        return cls(**{part: kind(**parts[part]) for part, kind in kinds.items()})
 
 
 def from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """The configuration of a `ninfer run | bench | serve` command line (the flags each command has), with
     `overrides` (e.g. the sequences a bench needs)."""
-    names = ("device", "dtype", "runner", "kv_dtype", "state_dtype", "max_context", "prefill_chunk",
-             "max_concurrency", "max_pending", "queue_timeout", "interleaved_prefill_chunk")
+    names = ("device", "dtype", "runner", "verify_weights", "kv_dtype", "state_dtype", "max_context", "prefill_chunk",
+             "max_concurrency", "max_pending", "queue_timeout", "interleaved_prefill_chunk", "spec", "draft_tokens")
     values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     capacity = getattr(args, "kv_capacity", None)
     if isinstance(capacity, int):  # "auto" and None: planned from the free memory

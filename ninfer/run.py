@@ -14,7 +14,8 @@ from typing import Any
 from ninfer.config import from_args
 from ninfer.engine import LLM, Finished
 from ninfer.errors import NinferError
-from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
+from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall, UnsupportedContentError, check_text_only
+from ninfer.sampling import SamplingParams
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "seed")
@@ -36,24 +37,27 @@ def _read_messages(path: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]
         raise NinferError(f"{path}: expected a non-empty list of messages with a 'role' each")
     if tools is not None and not isinstance(tools, list):
         raise NinferError(f"{path}: 'tools' must be a list")
+    try:
+        check_text_only(messages)
+    except UnsupportedContentError as exc:
+        raise NinferError(f"{path}: {exc}") from None
     return messages, tools
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.model is not None and not args.model.is_file():
-        raise NinferError(f"{args.model}: no such file")
-    llm = LLM(args.model, from_args(args, max_concurrency=1))
     overrides = {flag: getattr(args, flag) for flag in SAMPLING_FLAGS if getattr(args, flag) is not None}
     if args.greedy:
         overrides["temperature"] = 0.0
-    params = llm.default_params(max_tokens=args.max_new, stop=tuple(args.stop), **overrides)
+    SamplingParams(max_tokens=args.max_new, stop=tuple(args.stop), **overrides)  # the flags' ranges, before the load
     tools = None
-    if args.messages is not None:
+    if args.messages is not None:  # read before the (slow) load, so that a bad file fails at once
         prompt, tools = _read_messages(args.messages)
     elif args.prompt_ids is not None:
         prompt = args.prompt_ids
     else:
         prompt = args.prompt
+    llm = LLM(args.model, from_args(args, max_concurrency=1))
+    params = llm.default_params(max_tokens=args.max_new, stop=tuple(args.stop), **overrides)
     completion = None
     for event in llm.stream(prompt, params, raw=args.raw, thinking=not args.no_thinking, tools=tools):
         if isinstance(event, ContentDelta):

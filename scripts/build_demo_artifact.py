@@ -2,7 +2,8 @@
 
     python scripts/build_demo_artifact.py --dense CKPT_DIR --moe CKPT_DIR
 
-writes ninfer/assets/demo.ninfer (the dense model, q8: the default of `ninfer run` and `ninfer.LLM()`) and
+writes ninfer/assets/demo.ninfer (the dense model, q8: the default of `ninfer run` and `ninfer.LLM()`) with its
+line in ninfer/assets/SHA256SUMS (shipped with the package; `ninfer verify` checks it), and
 data/models/small-moe-q8.ninfer (the MoE model, q8), both with fixed artifact ids, so that the same checkpoints
 give the same bytes. The checkpoints come from tools/train_small.py on a GPU (docs/quality.md says how:
 `bash scripts/device/train.sh dense 3.5` and `... moe 3.5`, or `--steps 1718` / `--steps 850` with seed 0).
@@ -16,9 +17,9 @@ from pathlib import Path
 from ninfer.convert.checkpoint import convert_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = {  # model -> (output, artifact id)
-    "dense": (ROOT / "ninfer" / "assets" / "demo.ninfer", bytes(15) + b"\x01"),
-    "moe": (ROOT / "data" / "models" / "small-moe-q8.ninfer", bytes(15) + b"\x02"),
+TARGETS = {  # model -> (output, artifact id, keep its SHA256SUMS line)
+    "dense": (ROOT / "ninfer" / "assets" / "demo.ninfer", bytes(15) + b"\x01", True),
+    "moe": (ROOT / "data" / "models" / "small-moe-q8.ninfer", bytes(15) + b"\x02", False),
 }
 
 
@@ -28,12 +29,14 @@ def main() -> None:
     parser.add_argument("--moe", type=Path, required=True, help="the MoE checkpoint folder")
     args = parser.parse_args()
     for model, checkpoint in (("dense", args.dense), ("moe", args.moe)):
-        out, artifact_id = TARGETS[model]
+        out, artifact_id, keep_sums = TARGETS[model]
         out.parent.mkdir(parents=True, exist_ok=True)
         convert_checkpoint(checkpoint, "q8", out, name=f"ninfer-small-{model}", artifact_id=artifact_id, quiet=True)
-        # the report and SHA256SUMS are for distribution folders; the repository keeps only the artifact
-        for extra in (out.with_name(out.name + ".conversion.json"), out.with_name("SHA256SUMS")):
-            extra.unlink(missing_ok=True)
+        # the report is for distribution folders; the repository keeps the artifact and, for the embedded model,
+        # the SHA256SUMS line the converter wrote beside it
+        out.with_name(out.name + ".conversion.json").unlink(missing_ok=True)
+        if not keep_sums:
+            out.with_name("SHA256SUMS").unlink(missing_ok=True)
         print(f"{out.relative_to(ROOT)}: {out.stat().st_size:,d} bytes")
 
 

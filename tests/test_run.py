@@ -153,6 +153,27 @@ def test_cli_errors_are_one_line_and_exit_2(capsys, argv, message):
     assert len(err.splitlines()) == 1 and message in err
 
 
+IMAGE_PARTS = [
+    {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},  # OpenAI
+    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0K"}},  # Anthropic
+]
+
+
+@pytest.mark.parametrize("part", IMAGE_PARTS)
+def test_an_image_part_is_refused_not_dropped(tmp_path, capsys, llm, part):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[1\]: images are not supported yet"):
+        llm.generate(messages, GREEDY)
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps({"messages": messages}))
+    assert main(["run", "--messages", str(chat), "--max-new", "4"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "images are not supported yet" in err
+    text_only = [messages[0], {"role": "user", "content": [{"type": "text", "text": "What is this?"}]}]
+    assert llm.generate(text_only, GREEDY).token_ids  # text parts still pass
+
+
 def test_cli_rejects_a_file_that_is_not_an_artifact(tmp_path, capsys):
     bogus = tmp_path / "notes.ninfer"
     bogus.write_text("hello")

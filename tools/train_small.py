@@ -267,9 +267,8 @@ def main() -> None:
     from corpus import documents, load_split
     from tokenizers import Tokenizer
 
-    from ninfer.frontend import ChatTemplate
-
     from ninfer.devices import synchronize
+    from ninfer.frontend import ChatTemplate
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)

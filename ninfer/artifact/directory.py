@@ -22,6 +22,8 @@ COMPONENT_OPTIONAL = ("target", "proposal")
 TENSOR_MEMBERS = ("id", "kind", "shape", "format", "layout", "offset", "bytes")
 RESOURCE_MEMBERS = ("id", "kind", "encoding", "offset", "bytes")
 RESOURCE_PREFIX = "frontend/"
+DIGEST_MEMBER = "sha256"  # ninfer's extension: optional in every object entry (docs/artifact-format.md §2.1)
+DIGEST_HEX = 64
 
 
 class DirectoryError(ValueError):
@@ -37,6 +39,7 @@ class ObjectEntry:
     shape: tuple[int, ...] = ()
     format: str = ""
     layout: str = ""
+    sha256: str | None = None  # lowercase hex SHA-256 of the stored bytes; None: not recorded (no check)
 
     @property
     def component(self) -> str:
@@ -44,10 +47,14 @@ class ObjectEntry:
 
     def to_json(self) -> dict[str, Any]:
         if self.kind == "resource":
-            return {"id": self.id, "kind": "resource", "encoding": RESOURCE_ENCODING,
-                    "offset": self.offset, "bytes": self.bytes}
-        return {"id": self.id, "kind": "tensor", "shape": list(self.shape), "format": self.format,
-                "layout": self.layout, "offset": self.offset, "bytes": self.bytes}
+            entry = {"id": self.id, "kind": "resource", "encoding": RESOURCE_ENCODING,
+                     "offset": self.offset, "bytes": self.bytes}
+        else:
+            entry = {"id": self.id, "kind": "tensor", "shape": list(self.shape), "format": self.format,
+                     "layout": self.layout, "offset": self.offset, "bytes": self.bytes}
+        if self.sha256 is not None:
+            entry[DIGEST_MEMBER] = self.sha256
+        return entry
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_digest(value: Any) -> bool:
+    return (isinstance(value, str) and len(value) == DIGEST_HEX
+            and all(c in "0123456789abcdef" for c in value))
+
+
 def _exact_members(what: str, value: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     if not isinstance(value, dict):
         raise DirectoryError(f"{what} must be a JSON object")
@@ -114,9 +126,9 @@ def _parse_object(index: int, raw: Any) -> ObjectEntry:
         what = f"object {raw['id']!r}"
     kind = raw.get("kind") if isinstance(raw, dict) else None
     if kind == "tensor":
-        _exact_members(what, raw, TENSOR_MEMBERS)
+        _exact_members(what, raw, TENSOR_MEMBERS, (DIGEST_MEMBER,))
     elif kind == "resource":
-        _exact_members(what, raw, RESOURCE_MEMBERS)
+        _exact_members(what, raw, RESOURCE_MEMBERS, (DIGEST_MEMBER,))
         if raw["encoding"] != RESOURCE_ENCODING:
             raise DirectoryError(f"{what}: unknown resource encoding {raw['encoding']!r}")
     else:
@@ -126,8 +138,11 @@ def _parse_object(index: int, raw: Any) -> ObjectEntry:
     for member in ("offset", "bytes"):
         if not _is_int(raw[member]) or raw[member] < 0:
             raise DirectoryError(f"{what}: {member} must be a non-negative integer")
+    digest = raw.get(DIGEST_MEMBER)
+    if DIGEST_MEMBER in raw and not is_digest(digest):
+        raise DirectoryError(f"{what}: {DIGEST_MEMBER} must be {DIGEST_HEX} lowercase hex digits")
     if kind == "resource":
-        return ObjectEntry(raw["id"], "resource", raw["offset"], raw["bytes"])
+        return ObjectEntry(raw["id"], "resource", raw["offset"], raw["bytes"], sha256=digest)
     shape = raw["shape"]
     if not isinstance(shape, list) or len(shape) > 16 or not all(_is_int(d) and d > 0 for d in shape):
         raise DirectoryError(f"{what}: shape must be a list of at most 16 positive integers")
@@ -135,7 +150,7 @@ def _parse_object(index: int, raw: Any) -> ObjectEntry:
         if not isinstance(raw[member], str):
             raise DirectoryError(f"{what}: {member} must be a string")
     entry = ObjectEntry(raw["id"], "tensor", raw["offset"], raw["bytes"], tuple(shape), raw["format"],
-                        raw["layout"])
+                        raw["layout"], digest)
     try:
         codec = codec_for(entry.format, entry.layout)
         codec.check_shape(entry.shape)

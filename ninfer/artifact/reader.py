@@ -3,18 +3,24 @@
 Opening checks everything that can be checked without reading the payload: magic numbers, the directory
 schema and geometry, every part's header (index and artifact id) and every file's size. Any violation
 raises ArtifactError naming the file, the object and the rule; nothing is read from a file that failed.
+The payload's integrity is checked on request: `verify_digests` hashes objects against the SHA-256 their
+directory entries record (objects without one are not checked).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
 import sys
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ninfer.artifact.directory import Directory, DirectoryError, ObjectEntry, parse_directory
 from ninfer.artifact.framing import (
@@ -31,6 +37,22 @@ from ninfer.quant import codec_for
 
 if sys.byteorder != "little":  # formats are little-endian and decoded by viewing bytes
     raise ImportError("ninfer artifacts can only be read on little-endian machines")
+
+HASH_THREADS = min(8, os.cpu_count() or 1)  # hashlib releases the GIL: objects hash in parallel
+NAMED_OBJECTS = 3  # objects a DigestError names before "and N more"
+
+
+class DigestError(ArtifactError):
+    """Stored object bytes differ from the SHA-256 their directory entries record: the file is damaged."""
+
+    def __init__(self, path: Path, objects: list[str]):
+        self.path = path
+        self.objects = objects
+        named = ", ".join(repr(o) for o in objects[:NAMED_OBJECTS])
+        more = f" and {len(objects) - NAMED_OBJECTS} more" if len(objects) > NAMED_OBJECTS else ""
+        what = f"object {named}" if len(objects) == 1 else f"objects {named}{more}"
+        super().__init__(f"{path}: {what}: the stored bytes do not match the SHA-256 in the directory; the file is "
+                         "damaged (copy or convert it again)")
 
 
 class _Span:
@@ -163,19 +185,55 @@ class Artifact:
     def raw(self, object_id: str) -> torch.Tensor:
         """The object's stored bytes as a 1-D uint8 CPU tensor: a zero-copy view of the mapped file when the
         object lies in one file, a copy when it spans parts."""
-        obj = self.object(object_id)
-        pieces = []
-        begin, end = obj.offset, obj.offset + obj.bytes
-        for span in self._spans:
-            lo, hi = max(begin, span.logical_start), min(end, span.logical_start + span.size)
-            if lo >= hi:
-                continue
-            buffer = span.map()
-            pieces.append(torch.frombuffer(buffer, dtype=torch.uint8, count=hi - lo,
-                                           offset=span.file_offset + lo - span.logical_start))
+        pieces = [torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=offset)
+                  for buffer, offset, count in self._pieces(self.object(object_id))]
         if not pieces:
             return torch.empty(0, dtype=torch.uint8)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _pieces(self, obj: ObjectEntry) -> Iterator[tuple[mmap.mmap, int, int]]:
+        """(mapped file, offset in it, byte count) of each file the object's bytes lie in, in order."""
+        begin, end = obj.offset, obj.offset + obj.bytes
+        for span in self._spans:
+            lo, hi = max(begin, span.logical_start), min(end, span.logical_start + span.size)
+            if lo < hi:
+                buffer = span.map()
+                assert buffer is not None  # a span holding object bytes is not empty
+                yield buffer, span.file_offset + lo - span.logical_start, hi - lo
+
+    def object_digest(self, object_id: str) -> str:
+        """The hex SHA-256 of the object's stored bytes, hashed in place on the mapped files."""
+        digest = hashlib.sha256()
+        for buffer, offset, count in self._pieces(self.object(object_id)):
+            with memoryview(buffer) as whole, whole[offset : offset + count] as view:
+                digest.update(view)
+        return digest.hexdigest()
+
+    def digest_mismatches(self, names: Iterable[str] | None = None, *, progress: bool = False) -> list[str]:
+        """Ids of the objects (all, or those named) whose stored bytes differ from the SHA-256 their directory
+        entries record, in directory order. Objects without a recorded digest are not checked."""
+        objects = self.objects if names is None else [self.object(name) for name in names]
+        checked = [o for o in objects if o.sha256 is not None]
+        for span in self._spans:  # map here, not racing in the hashing threads
+            span.map()
+        bad = []
+        with tqdm(total=sum(o.bytes for o in checked), unit="B", unit_scale=True, desc="verifying weights",
+                  disable=not progress, leave=False, file=sys.stderr) as bar, \
+                ThreadPoolExecutor(HASH_THREADS) as pool:
+            for obj, digest in zip(checked, pool.map(self.object_digest, [o.id for o in checked]), strict=True):
+                bar.update(obj.bytes)
+                if digest != obj.sha256:
+                    bad.append(obj.id)
+        return bad
+
+    def verify_digests(self, names: Iterable[str] | None = None, *, progress: bool = False) -> int:
+        """Hash the objects (all, or those named) against their recorded SHA-256; raise DigestError naming the
+        damaged ones. Returns how many objects had a digest to check (0: the writer recorded none)."""
+        objects = self.objects if names is None else [self.object(name) for name in names]
+        bad = self.digest_mismatches([o.id for o in objects], progress=progress)
+        if bad:
+            raise DigestError(self.path, bad)
+        return sum(o.sha256 is not None for o in objects)
 
     def tensor(self, object_id: str, device: str | torch.device = "cpu") -> torch.Tensor:
         """Decode a tensor object exactly (plain formats: a zero-copy view on the CPU)."""

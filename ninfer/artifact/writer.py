@@ -4,19 +4,26 @@ Because object sizes follow from (format, shape), the whole directory — offset
 before any payload byte exists. The writer lays the files out at their final sizes under temporary names,
 accepts object bytes in any order (`write`), and renames the files into place on `commit`; `abort` (or an
 exception inside `with`) deletes them, so a failed conversion leaves nothing behind.
+
+Every object's SHA-256 is recorded in its directory entry. The directory is written with placeholder digests of
+the same length and rewritten in place on `commit`, so the payload never moves. Digests are computed as bytes
+arrive: a write that continues an object where its hashed prefix ends is hashed from memory; bytes written ahead of
+that point (the planes of a row-split format, written interleaved) are read back from the file once the writes move
+on to another object, in bounded chunks while they are still in the page cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ninfer.artifact.directory import Directory, FileEntry, ObjectEntry, check_geometry
+from ninfer.artifact.directory import DIGEST_HEX, Directory, FileEntry, ObjectEntry, check_geometry
 from ninfer.artifact.framing import (
     DEFAULT_PART_CAP,
     ENTRY_MAGIC,
@@ -36,6 +43,8 @@ from ninfer.errors import ArtifactError
 from ninfer.quant import codec_for
 
 TEMP_SUFFIX = ".incomplete"
+DIGEST_PLACEHOLDER = "0" * DIGEST_HEX  # holds each digest's room in the directory until commit
+READ_BACK_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,14 @@ def layout_directory(path: Path, objects: list[ObjectEntry], components: dict[st
     return directory, text
 
 
+class _ObjectHash:
+    """The SHA-256 of an object's first `cursor` bytes."""
+
+    def __init__(self) -> None:
+        self.hasher = hashlib.sha256()
+        self.cursor = 0
+
+
 class ArtifactWriter:
     """Streams object bytes into a planned artifact; see the module docstring."""
 
@@ -124,8 +141,12 @@ class ArtifactWriter:
         self.artifact_id = artifact_id or new_artifact_id()
         if len(self.artifact_id) != ID_BYTES:  # the header would silently pad or cut it
             raise ArtifactError(f"artifact id must be {ID_BYTES} bytes, not {len(self.artifact_id)}")
+        objects = [replace(o, sha256=DIGEST_PLACEHOLDER) for o in objects]
         self.directory, text = layout_directory(self.path, objects, components, metadata, provenance, part_cap)
+        self._json_bytes = len(text)
         self._objects = {o.id: o for o in objects}
+        self._hashes = {o.id: _ObjectHash() for o in objects}
+        self._current: str | None = None  # the object the last write went to
         self.final_paths = [self.path] + [self.path.with_name(f.path) for f in self.directory.files[1:] if f.path]
         self._temp_paths = [p.with_name(p.name + TEMP_SUFFIX) for p in self.final_paths]
         self._fds: list[int] = []
@@ -161,15 +182,56 @@ class ArtifactWriter:
         if offset < 0 or offset + len(view) > obj.bytes:
             raise ValueError(f"write of {len(view)} bytes at {offset} overflows object {object_id!r} "
                              f"({obj.bytes} bytes)")
+        if self._current is not None and self._current != object_id:
+            self._finish_hash(self._current)
+        self._current = object_id
         begin = obj.offset + offset
         end = begin + len(view)
         for fd, (logical, size, start) in zip(self._fds, self._spans, strict=True):
             lo, hi = max(begin, logical), min(end, logical + size)
             if lo < hi:
                 os.pwrite(fd, view[lo - begin : hi - begin], start + lo - logical)
+        state = self._hashes[object_id]
+        if offset == state.cursor:
+            state.hasher.update(view)
+            state.cursor += len(view)
+        elif offset < state.cursor:  # bytes already hashed were rewritten: hash the object again from the file
+            self._hashes[object_id] = _ObjectHash()
+
+    def _read(self, begin: int, size: int) -> bytes:
+        """`size` bytes of the logical payload from `begin`, read back from the files being written."""
+        end = begin + size
+        pieces = []
+        for fd, (logical, span, start) in zip(self._fds, self._spans, strict=True):
+            lo, hi = max(begin, logical), min(end, logical + span)
+            if lo < hi:
+                pieces.append(os.pread(fd, hi - lo, start + lo - logical))
+        return b"".join(pieces)
+
+    def _finish_hash(self, object_id: str) -> None:
+        """Hash the rest of the object (bytes written ahead of its hashed prefix, and gaps never written) from
+        the files."""
+        obj, state = self._objects[object_id], self._hashes[object_id]
+        while state.cursor < obj.bytes:
+            size = min(READ_BACK_CHUNK, obj.bytes - state.cursor)
+            state.hasher.update(self._read(obj.offset + state.cursor, size))
+            state.cursor += size
+
+    def _write_digests(self) -> None:
+        """Replace the placeholder digests in the entry file's directory with the objects' SHA-256."""
+        for object_id in self._hashes:
+            self._finish_hash(object_id)
+        self.directory.objects = [replace(o, sha256=self._hashes[o.id].hasher.hexdigest())
+                                  for o in self.directory.objects]
+        text = self.directory.dumps().encode("utf-8")
+        if len(text) > self._json_bytes:
+            raise AssertionError("the directory with digests outgrew the room its placeholders held")
+        os.pwrite(self._fds[0], text.ljust(self._json_bytes, b" "), HEADER_BYTES)
 
     def commit(self) -> list[Path]:
-        """Flush, close and move the files into place; remove parts of an older artifact left at the path."""
+        """Record the digests, flush, close and move the files into place; remove parts of an older artifact left
+        at the path."""
+        self._write_digests()
         for fd in self._fds:
             os.fsync(fd)
             os.close(fd)

@@ -8,9 +8,9 @@ continuous batching with prefill pieces interleaved with decode steps, prefix re
 `step()` runs one scheduler step (`scheduler.plan_step`): the next prefill piece or one decode step of every
 running sequence, each with its own sampling parameters, all decode steps in one batched model call. A server runs
 `step()` on the engine's own thread (`start`); `LLM.stream` runs it in the caller's thread (`submit` + `step`).
-The queue holds at most `max_pending` requests (more: QueueFullError), and a request that waits longer than
-`queue_timeout` seconds gets QueueTimeoutError. Closing a request's stream (a client that disconnects) cancels the
-sequence and frees its memory at the next step.
+The engine holds at most `max_concurrency + max_pending` requests, running or waiting (more: QueueFullError at
+`submit`), and a request that waits longer than `queue_timeout` seconds gets QueueTimeoutError. Closing a request's
+stream (a client that disconnects) cancels the sequence and frees its memory at the next step.
 
 Prefix reuse (`prefix_cache.PrefixCache`): the sequence state is snapshotted at turn boundaries of a prompt (after
 each `<|im_end|>` and before the generation prompt); a new request resumes from its longest cached boundary and
@@ -30,13 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ninfer.config import SchedulerConfig
+from ninfer.config import SchedulerConfig, SpeculativeConfig
 from ninfer.devices import synchronize
 from ninfer.engine import scheduler
 from ninfer.engine.output import OutputPipeline, sample_rows
 from ninfer.engine.prefix_cache import PrefixCache, Snapshot, default_prefix_cache_bytes
 from ninfer.engine.sequence import Finished, Request, Sequence
+from ninfer.engine.speculative import DraftLength, SpeculationStats, run_round, timed
 from ninfer.errors import NinferError
+from ninfer.kernels.sampling import BROKEN_LOGITS, NOTHING_SAMPLABLE
+from ninfer.sampling import SamplingError
 
 if TYPE_CHECKING:
     from ninfer.engine.llm import LLM
@@ -47,7 +50,7 @@ class PromptTooLongError(NinferError):
 
 
 class QueueFullError(NinferError):
-    """The waiting queue already holds `max_pending` requests."""
+    """The engine already holds `max_concurrency + max_pending` requests, running or waiting."""
 
 
 class QueueTimeoutError(NinferError):
@@ -62,11 +65,13 @@ class Engine:
     """See the module docstring. `llm` gives the loaded model (`model`, through the `Model` protocol), its tokenizer
     and context."""
 
-    def __init__(self, llm: LLM, config: SchedulerConfig | None = None, *, prefix_cache_bytes: int | None = None,
-                 host_cache_bytes: int = 1 << 30):
+    def __init__(self, llm: LLM, config: SchedulerConfig | None = None, *, speculative: SpeculativeConfig | None = None,
+                 prefix_cache_bytes: int | None = None, host_cache_bytes: int = 1 << 30):
         self.llm = llm
         self.model = llm.model
         self.config = config = config or SchedulerConfig()
+        self.speculative = speculative or SpeculativeConfig()
+        self._draft_length = DraftLength() if self.speculative.spec != "none" else None
         slots = self.model.max_batch
         if slots is not None and config.max_concurrency > slots:
             raise NinferError(f"max_concurrency {config.max_concurrency} exceeds the model's {slots} sequence slots "
@@ -127,8 +132,13 @@ class Engine:
             raise EngineClosedError("the engine is shutting down")
         sequence = Sequence(request, deliver)
         with self._wake:
-            if len(self._waiting) >= self.config.max_pending and len(self._running) >= self.config.max_concurrency:
-                raise QueueFullError(f"the queue is full ({self.config.max_pending} waiting requests)")
+            # running + waiting, not the waiting alone: a burst arrives faster than `step` admits, and the excess
+            # must be refused now, not left to wait out the queue timeout
+            held = sum(not s.cancelled for s in (*self._running, *self._waiting))
+            limit = self.config.max_concurrency + self.config.max_pending
+            if held >= limit:
+                raise QueueFullError(f"{held} requests running or waiting, the most it takes: "
+                                     f"{self.config.max_concurrency} running + {self.config.max_pending} waiting")
             self._waiting.append(sequence)
             self._wake.notify_all()
         return sequence
@@ -210,10 +220,12 @@ class Engine:
                 except Exception as exc:  # a failing request must not stop the engine
                     sequence.send(exc)
                     self._release(sequence)
-            sampling = [s for s in plan.sampling if not s.finished]
-            decoding = self._sample(sampling) if sampling else []
-            if decoding:
-                self._decode(decoding)
+            ready = [s for s in plan.sampling if not s.finished]
+            fresh = [s for s in ready if s.logits is not None]
+            held = [s for s in ready if s.logits is None]  # they hold a round's last token, not logits
+            going = (self._sample(fresh) if fresh else []) + held
+            if going:
+                self._advance(going)
         return True
 
     def _admit(self) -> None:
@@ -303,38 +315,106 @@ class Engine:
                 sequence.send(exc)
                 self._release(sequence)
             return []
-        decoding = []
+        going = []
         for sequence, token in zip(sequences, tokens, strict=True):
-            output = sequence.output
-            try:
-                for event in output.advance(token, sequence.limit - sequence.state.length):
-                    sequence.send(event)
-            except Exception as exc:  # this request's sampling or text pipeline failed: fail it alone
-                sequence.send(exc)
-                self._release(sequence)
-                continue
-            if output.done:
-                stats = output.completion.stats
-                stats.generated_tokens = len(output.completion.token_ids)
-                stats.decode_seconds = time.perf_counter() - sequence.decode_started
-                self._release(sequence)
-                sequence.send(Finished(output.completion))
-            else:
-                decoding.append(sequence)
-        return decoding
+            sequence.logits = None
+            if self._take(sequence, token, sequence.limit - sequence.state.length):
+                going.append(sequence)
+        return going
 
-    def _decode(self, sequences: list[Sequence]) -> None:
-        """One decode step for every sequence that sampled a token: one batched call of the model."""
+    def _take(self, sequence: Sequence, token: Any, free: int) -> bool:
+        """Give a sampled token (or its SamplingError) to the sequence's output and send the events it decides;
+        `free`: context positions still free before the token is fed. False when the sequence ended here."""
+        output = sequence.output
+        try:
+            for event in output.advance(token, free):
+                sequence.send(event)
+        except Exception as exc:  # this request's sampling or text pipeline failed: fail it alone
+            sequence.send(exc)
+            self._release(sequence)
+            return False
+        if not output.done:
+            return True
+        stats = output.completion.stats
+        stats.generated_tokens = len(output.completion.token_ids)
+        stats.decode_seconds = time.perf_counter() - sequence.decode_started
+        self._release(sequence)
+        sequence.send(Finished(output.completion))
+        return False
+
+    def _advance(self, sequences: list[Sequence]) -> None:
+        """Feed every sequence's last token: speculating sequences in rounds of their draft length (grouped by
+        it), the others in one decode step."""
+        plain, rounds = [], {}
+        for sequence in sequences:
+            k = self._round_length(sequence) if self._draft_length is not None else 0
+            if k:
+                rounds.setdefault(k, []).append(sequence)
+            else:
+                plain.append(sequence)
+        if plain:
+            seconds = self._decode(plain)
+            if self._draft_length is not None and seconds is not None:
+                self._draft_length.measured(0, seconds)
+        for k, group in rounds.items():
+            self._round(group, k)
+
+    def _round_length(self, sequence: Sequence) -> int:
+        """Drafts for the sequence's next round: the fixed or chosen length, within its output budget and the
+        context it reserved (a round puts K+1 tokens into the state); 0: a plain step, counted as a fallback."""
+        stats = sequence.output.completion.stats
+        if stats.speculation is None:
+            stats.speculation = SpeculationStats()
+        room = min(sequence.request.params.max_tokens - len(sequence.output.completion.token_ids),
+                   sequence.limit - sequence.state.length - 1)
+        k = min(room, self.speculative.draft_tokens or self._draft_length.choose(stats.speculation))
+        if k < 1:
+            stats.speculation.fallback_steps += 1
+        return max(k, 0)
+
+    def _decode(self, sequences: list[Sequence]) -> float | None:
+        """One decode step for every sequence that sampled a token: one batched call of the model. Returns its
+        seconds (None when it failed)."""
         tokens = torch.tensor([s.output.completion.token_ids[-1] for s in sequences], device=self.llm.device)
         try:
+            started = time.perf_counter()
             logits = self.model.decode([s.state for s in sequences], tokens)
+            if self._draft_length is not None:  # the step is timed against the rounds
+                synchronize(self.llm.device)
+            seconds = time.perf_counter() - started
+        except Exception as exc:  # the batch failed: fail its requests, keep the engine
+            for sequence in sequences:
+                sequence.send(exc)
+                self._release(sequence)
+            return None
+        for sequence, row in zip(sequences, logits, strict=True):
+            sequence.logits = row
+        return seconds
+
+    def _round(self, sequences: list[Sequence], k: int) -> None:
+        """One speculative round of K drafts for these sequences (`speculative.run_round`), then their emitted
+        tokens one by one, each with the free context plain decoding would have had when sampling it."""
+        tokens = torch.tensor([s.output.completion.token_ids[-1] for s in sequences], device=self.llm.device)
+        rows = [s.output.sampling_inputs() for s in sequences]
+        try:
+            results, seconds = timed(run_round, self.model, [s.state for s in sequences], tokens, k,
+                                     self.llm.tokenizer.vocab_size, rows)
         except Exception as exc:  # the batch failed: fail its requests, keep the engine
             for sequence in sequences:
                 sequence.send(exc)
                 self._release(sequence)
             return
-        for sequence, row in zip(sequences, logits, strict=True):
-            sequence.logits = row
+        self._draft_length.measured(k, seconds)
+        for sequence, (accepted, emitted, broken, empty) in zip(sequences, results, strict=True):
+            sequence.output.completion.stats.speculation.record(k, accepted)
+            if broken or empty:
+                self._take(sequence, SamplingError(BROKEN_LOGITS if broken else NOTHING_SAMPLABLE.format(
+                    self.llm.tokenizer.vocab_size)), 0)
+                continue
+            start = sequence.state.length - len(emitted)  # the length before the round
+            for j, token in enumerate(emitted, 1):
+                if not self._take(sequence, token, sequence.limit - (start + j)):
+                    break
 
 
 def _ends(item: Any) -> bool:

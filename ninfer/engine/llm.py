@@ -29,7 +29,7 @@ from ninfer.engine.load import load_model
 from ninfer.engine.output import Completion
 from ninfer.engine.sequence import Finished, Request
 from ninfer.errors import NinferError
-from ninfer.frontend import ChatTemplate, Tokenizer
+from ninfer.frontend import ChatTemplate, Tokenizer, check_text_only
 from ninfer.model.qwen3_5 import Qwen35Model
 from ninfer.sampling import SamplingParams
 
@@ -46,6 +46,8 @@ class LLM:
                  progress: bool = False, **options: Any):
         """`config`, or its fields as keywords (`EngineConfig.create`): `device` (cpu, cuda), `dtype` (auto, fp32,
         bf16), `runner` ("auto": the packed GPU model on CUDA when the model suits it, "fast", "reference"),
+        `verify_weights` (hash every object against the SHA-256 the artifact records before using it; DigestError
+        names the damaged ones; the embedded demo model is always checked),
         `kv_dtype` (bf16 / int8 / fp8), `state_dtype` (the GDN recurrent state as stored: fp32 / bf16),
         `kv_capacity` (KV positions over all sequences; default: what the free memory holds, up to `sequences` full
         contexts), `sequences` (state slots = the largest decode batch), `max_context` (default: the model's, at
@@ -59,6 +61,7 @@ class LLM:
         self.device = parse_device(config.runtime.device)
         self.dtype = config.runtime.torch_dtype(self.device)
         with Artifact.open(self.path) as artifact:
+            self._verify_weights(artifact, config.runtime.verify_weights, progress)
             self.model, self.max_context = load_model(artifact, config, self.device, self.dtype, progress=progress)
             self.tokenizer = Tokenizer.from_artifact(artifact)
             generation_config = artifact.component_resource("text", "generation_config.json")
@@ -67,19 +70,29 @@ class LLM:
                                for role in ("chat_template.jinja", "tokenizer_config.json"))
             self.template = ChatTemplate.from_artifact(artifact) if has_template else None
         self.fast = not isinstance(self.model, Qwen35Model)  # the packed GPU model behind its graph runner
-        self.engine = Engine(self, config.scheduler)
+        self.engine = Engine(self, config.scheduler, speculative=config.speculative)
         self.load_seconds = time.perf_counter() - started
+
+    def _verify_weights(self, artifact: Artifact, requested: bool, progress: bool) -> None:
+        """Hash the weights against their recorded SHA-256 before any is used (DigestError names the damaged
+        objects): when `requested`, and always for the embedded demo model (10 MB: cheap)."""
+        if not (requested or self.path.resolve() == DEFAULT_ARTIFACT):
+            return
+        if artifact.verify_digests(progress=progress) == 0 and requested:
+            raise NinferError(f"{self.path}: records no object digests (another writer's artifact), so its weights "
+                              "cannot be verified at load; check it with `ninfer verify` and its SHA256SUMS instead")
 
     def engine_with(self, **scheduler: Any) -> Engine:
         """Another engine over this loaded model, with other scheduler settings (`SchedulerConfig` fields)."""
-        return Engine(self, SchedulerConfig(**scheduler))
+        return Engine(self, SchedulerConfig(**scheduler), speculative=self.config.speculative)
 
     # -- prompts ---------------------------------------------------------------------------------------------
 
     def prompt_ids(self, prompt: Prompt, *, raw: bool = False, thinking: bool = True,
                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt: ids as given, text as is with `raw`, otherwise text or messages rendered
-        through the chat template with the generation prompt."""
+        through the chat template with the generation prompt. Messages with an image (or other media) part raise
+        UnsupportedContentError (a ValueError): the model would never see it."""
         if _is_ids(prompt):
             ids = list(prompt)
             vocab = self.model.config.vocab
@@ -91,6 +104,7 @@ class LLM:
         if self.template is None:
             raise NinferError(f"{self.path} has no chat template; use a raw prompt")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        check_text_only(messages)
         text = self.template.render(messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking)
         return self.tokenizer.encode(text)
 

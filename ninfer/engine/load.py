@@ -37,17 +37,24 @@ def context_of(config: TextConfig, engine: EngineConfig, packed: bool) -> int:
 def load_model(artifact: Artifact, engine: EngineConfig, device: torch.device, dtype: torch.dtype, *,
                graphs: bool = True, max_verify_tokens: int = 0, int8_activations: bool = True,
                progress: bool = False) -> tuple[Model, int]:
-    """The artifact's text model as the engine's `Model`, and its context length."""
+    """The artifact's text model as the engine's `Model`, and its context length. With `spec="mtp"` its sequences
+    carry the MTP head's state, so that the model drafts."""
     config = TextConfig.from_dict(artifact.components["text"]["config"])
     runner = engine.runtime.runner
     reason = fast_path_unsupported(config, device)
     if runner == "fast" and reason:
         raise NinferError(f"the fast path cannot run this model: {reason}")
+    drafter = engine.speculative.spec == "mtp"
+    if drafter and "mtp" not in artifact.components:
+        raise NinferError(f"--spec mtp needs an MTP head, and {artifact.path.name} has no mtp component; "
+                          "use --spec none")
+    if drafter and runner != "reference" and reason is None:
+        raise NinferError("speculative decoding runs on the reference runner so far: add --runner reference")
     cache_config = engine.cache
     packed = runner != "reference" and reason is None
     context = context_of(config, engine, packed)
     if not packed:
-        model = Qwen35Model.from_artifact(artifact, device, dtype)
+        model = Qwen35Model.from_artifact(artifact, device, dtype, drafter=drafter)
         model.kv_capacity = cache_config.kv_capacity or cache_config.sequences * context
         return model, context
     return load_packed(artifact, cache_config, context, device, dtype, graphs=graphs,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ninfer.engine.speculative import SpeculationStats
 from ninfer.frontend import (
     ContentDelta,
     IncrementalDetokenizer,
@@ -30,6 +31,7 @@ class GenerationStats:
     queue_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    speculation: SpeculationStats | None = None  # rounds, drafts and acceptance, when the engine speculates
 
     @property
     def prefill_tokens_per_second(self) -> float:

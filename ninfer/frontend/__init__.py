@@ -1,6 +1,6 @@
 """The model frontend: tokenizer and chat-template resources that an artifact embeds."""
 
-from ninfer.frontend.chat import ChatTemplate, ChatTemplateError
+from ninfer.frontend.chat import ChatTemplate, ChatTemplateError, UnsupportedContentError, check_text_only
 from ninfer.frontend.detokenizer import IncrementalDetokenizer
 from ninfer.frontend.parser import (
     ContentDelta,
@@ -27,5 +27,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "ToolCall",
+    "UnsupportedContentError",
+    "check_text_only",
     "parse_output",
 ]

@@ -22,8 +22,37 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+# content-part kinds (a part's `type`, or a key of an untyped part) that carry media: image parts of the OpenAI
+# (image_url), Responses (input_image) and Anthropic (image) shapes first, then the other media
+IMAGE_PARTS = ("image", "image_url", "input_image")
+MEDIA_PARTS = (*IMAGE_PARTS, "video", "video_url", "input_audio", "audio", "file", "input_file", "document")
+
+
 class ChatTemplateError(NinferError):
     """The chat template rejected the messages (its own message is kept), or the template is unusable."""
+
+
+class UnsupportedContentError(NinferError, ValueError):
+    """A message holds a content part this engine cannot take yet (an image, video, audio or file)."""
+
+
+def check_text_only(messages: list[Mapping[str, Any]]) -> None:
+    """Raise UnsupportedContentError, naming the part (`messages[i].content[j]`), for a media content part: the
+    template would render its placeholder tokens without the media, which the model never sees."""
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list | tuple):
+            continue
+        for part_index, part in enumerate(content):
+            if not isinstance(part, Mapping):
+                continue  # the template refuses it
+            kind = part.get("type")
+            media = kind if kind in MEDIA_PARTS else next((key for key in MEDIA_PARTS if key in part), None)
+            if media is None:
+                continue
+            what = "images" if media in IMAGE_PARTS else f"{media} inputs"
+            raise UnsupportedContentError(f"messages[{index}].content[{part_index}]: {what} are not supported yet "
+                                          f"(part type {media!r}); send text only")
 
 
 class ChatTemplate:

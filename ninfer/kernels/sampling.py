@@ -204,6 +204,51 @@ def sample_batch(logits: Tensor, params: Sequence[SamplingParams], generators: S
     return out
 
 
+def speculative_accept(logits: Tensor, drafts: Tensor, params: SamplingParams, generator: torch.Generator | None,
+                       prompt_ids: Tensor | None, generated_ids: Tensor | None) -> Tensor:
+    """Accept a prefix of K greedy drafts against the target's logits and draw the token after it (speculative
+    sampling with one-hot proposals, as upstream NInfer's MTP does), on the device, without reading back.
+
+    logits `[K+1, V]` fp32: the target after each verified token (column j predicts the token after draft j; column
+    0 the token after the sequence's last one); drafts `[K]` ids; generated_ids: the generated ids before the round
+    (penalties of column j also count drafts 1..j). Column j's distribution p_j is `next_token_probs`'s.
+    - Greedy params: accept draft j+1 while it is p_j's argmax; the next token is the argmax at the first miss
+      (the correction), or of column K (the bonus). Exactly plain greedy decoding; the generator is not touched.
+    - Sampled: accept draft j+1 with probability p_j(d_{j+1}) (u ~ U[0,1) from the generator, K draws); at the first
+      rejection draw from the residual p_j with d_{j+1} removed, renormalised; with all accepted draw from p_K.
+      Each emitted token then has exactly plain sampling's distribution given the ones before it (the proposal
+      is a point mass, so min(1, p/q) = p(d) and the residual is max(0, p - q) ∝ p without d).
+    Returns int64 `[4]`: (accepted count A in 0..K, the token after the accepted drafts, broken, empty) where broken
+    / empty flag NaN or +inf logits / a column with nothing samplable (its token is then meaningless).
+    """
+    k = drafts.numel()
+    columns = []
+    for j in range(k + 1):
+        seen = drafts[:j] if generated_ids is None else torch.cat([generated_ids.to(drafts.device), drafts[:j]])
+        columns.append(apply_penalties(logits[j], params, prompt_ids, seen, checked=False)
+                       if _penalised(params) else logits[j].to(torch.float32))
+    penalised = torch.stack(columns)
+    best = penalised.amax(-1, keepdim=True)
+    broken, empty = _broken(logits).any(), (best == -math.inf).any()
+    rows = torch.arange(k, device=logits.device)
+    if params.greedy:
+        targets = penalised.argmax(-1)
+        accepted = torch.cumprod((targets[:k] == drafts).long(), 0).sum()
+        token = targets[accepted]
+    else:
+        probs = torch.stack([_tempered_probs(penalised[j], best[j], params) for j in range(k + 1)])
+        probs = torch.where(broken | empty, torch.zeros_like(probs).index_fill_(-1, rows.new_zeros(1), 1.0), probs)
+        draws = torch.rand(k, generator=generator, device=logits.device)
+        accepted = torch.cumprod((draws < probs[rows, drafts]).long(), 0).sum()
+        residual = probs.clone()
+        residual[rows, drafts] = 0.0
+        residual[k] = probs[k]
+        row = residual.index_select(0, accepted.view(1))[0]
+        row = torch.where(row.sum() > 0, row, probs.index_select(0, accepted.view(1))[0])  # p_j(d) = 1: no residual
+        token = torch.multinomial(row, 1, generator=generator)[0]
+    return torch.stack([accepted, token, broken.long(), empty.long()])
+
+
 def _penalised(params: SamplingParams) -> bool:
     """Whether `apply_penalties` changes any logit under these params."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0

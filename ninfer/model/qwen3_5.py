@@ -32,7 +32,9 @@ FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
 @dataclass
 class SequenceState:
     """Everything a sequence carries between forward calls: its length, the KV cache of each attention layer
-    (preallocated to `capacity` positions) and the conv and recurrent state of each GDN layer."""
+    (preallocated to `capacity` positions) and the conv and recurrent state of each GDN layer; with a drafter,
+    the MTP head's own sequence (`mtp`: its KV, one position behind the trunk) and the trunk's last final-normed
+    hidden state (`pending`, `[1, H]`), which the head pairs with the next token once that token is known."""
 
     capacity: int
     length: int = 0
@@ -40,8 +42,10 @@ class SequenceState:
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     conv: dict[int, torch.Tensor | None] = field(default_factory=dict)
     recurrent: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    pending: int = 0  # draft tokens of a verify step not yet accepted or rejected
-    verified: list[dict[tuple[str, int], torch.Tensor]] = field(default_factory=list)  # the state after each
+    mtp: SequenceState | None = None
+    pending: torch.Tensor | None = None
+    unaccepted: int = 0  # tokens of a verify step not yet accepted or rejected
+    verified: list[dict] = field(default_factory=list)  # the recurrent part of the state after each of them
 
 
 class Qwen35Model:
@@ -52,17 +56,21 @@ class Qwen35Model:
     page = 1  # a sequence's KV rows are allocated to its capacity exactly
 
     def __init__(self, config: TextConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, drafter: bool = False):
+        """`drafter`: every sequence also carries the MTP head's state, so that `draft` can propose tokens."""
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
         self.head = weights["output_head"] if "output_head" in weights else weights["token_embedding"]
         self.kv_capacity: int | None = None  # set by the loader: KV positions the engine may reserve in all
+        if drafter and not self.has_mtp:
+            raise ValueError("this artifact has no MTP head to draft with")
+        self.drafter = drafter
 
     @classmethod
     def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32) -> Qwen35Model:
+                      dtype: torch.dtype = torch.float32, drafter: bool = False) -> Qwen35Model:
         config = TextConfig.from_dict(artifact.components["text"]["config"])
         device = torch.device(device)
         weights = {}
@@ -72,7 +80,7 @@ class Qwen35Model:
             name = obj.id.removeprefix("text/")  # the MTP head's weights keep their "mtp/" prefix
             tensor = artifact.tensor(obj.id, device)
             weights[name] = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)
-        return cls(config, weights, device, dtype)
+        return cls(config, weights, device, dtype, drafter)
 
     def new_state(self, capacity: int) -> SequenceState:
         c = self.config
@@ -85,6 +93,8 @@ class Qwen35Model:
             else:
                 state.conv[i] = None
                 state.recurrent[i] = None
+        if self.drafter:
+            state.mtp = self.new_mtp_state(capacity)
         return state
 
     def free_state(self, state: SequenceState) -> None:
@@ -93,6 +103,7 @@ class Qwen35Model:
         state.values.clear()
         state.conv.clear()
         state.recurrent.clear()
+        state.mtp = state.pending = None
 
     def snapshot(self, state: SequenceState) -> dict[tuple[str, int], torch.Tensor]:
         """Copies of a sequence's state (KV rows up to its length, conv and recurrent state): prefix reuse."""
@@ -104,6 +115,11 @@ class Qwen35Model:
             for layer, tensor in states.items():
                 if tensor is not None:
                     tensors[(kind, layer)] = tensor.clone()
+        if state.mtp is not None:
+            tensors[("mtp_keys", 0)] = state.mtp.keys[0][: state.mtp.length].clone()
+            tensors[("mtp_values", 0)] = state.mtp.values[0][: state.mtp.length].clone()
+            if state.pending is not None:
+                tensors[("pending", 0)] = state.pending.clone()
         return tensors
 
     def restore(self, state: SequenceState, length: int, tensors: dict[tuple[str, int], torch.Tensor]) -> None:
@@ -111,7 +127,12 @@ class Qwen35Model:
         for (kind, layer), tensor in tensors.items():
             if kind in ("keys", "values"):
                 getattr(state, kind)[layer][:length] = tensor.to(self.device)
-            else:
+            elif kind in ("mtp_keys", "mtp_values") and state.mtp is not None:
+                getattr(state.mtp, kind.removeprefix("mtp_"))[0][: tensor.shape[0]] = tensor.to(self.device)
+                state.mtp.length = tensor.shape[0]
+            elif kind == "pending":
+                state.pending = tensor.to(self.device).clone() if state.mtp is not None else None
+            elif kind in ("conv", "recurrent"):
                 getattr(state, kind)[layer] = tensor.to(self.device).clone()
         state.length = length
 
@@ -151,31 +172,62 @@ class Qwen35Model:
         each sequence's state after every token for `accept`: logits `[B, T, V]`."""
         rows = []
         for state, drafts in zip(states, ids, strict=True):
-            if state.pending:
+            if state.unaccepted:
                 raise ValueError("accept the previous verify step before the next one")
             logits, state.verified = [], []
             for token in drafts:
                 logits.append(self.prefill(token.view(1), state))
-                state.verified.append(self.snapshot(state))
-            state.pending = len(drafts)
+                state.verified.append(_recurrent_part(state))
+            state.unaccepted = len(drafts)
             rows.append(torch.stack(logits))
         return torch.stack(rows)
 
     def accept(self, states: list[SequenceState], accepted: list[int]) -> None:
         """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step."""
         for state, count in zip(states, accepted, strict=True):
-            if not 1 <= count <= state.pending:
-                raise ValueError(f"accept 1..{state.pending} tokens of the verify step, not {count}")
-            if count < state.pending:
-                self.restore(state, state.length - state.pending + count, state.verified[count - 1])
-            state.pending, state.verified = 0, []
+            if not 1 <= count <= state.unaccepted:
+                raise ValueError(f"accept 1..{state.unaccepted} tokens of the verify step, not {count}")
+            if count < state.unaccepted:  # KV rows past the new length are dead: later tokens overwrite them
+                state.length -= state.unaccepted - count
+                conv, recurrent, pending, mtp_length = state.verified[count - 1]
+                state.conv, state.recurrent, state.pending = dict(conv), dict(recurrent), pending
+                if state.mtp is not None:
+                    state.mtp.length = mtp_length
+            state.unaccepted, state.verified = 0, []
+
+    def draft(self, states: list[SequenceState], ids: torch.Tensor, k: int) -> torch.Tensor:
+        """K draft tokens `[B, K]` for each sequence from the MTP head, greedy: the first from the trunk's last
+        hidden state and the sequence's next token `ids[b]` (sampled, not yet in the state), each later one from
+        the head's own final-normed output and the previous draft (Qwen3.5's chained MTP). The states are left
+        as they were (the head's KV rows written past its length are dead)."""
+        if not self.drafter:
+            raise ValueError("the model was loaded without a drafter")
+        rows = []
+        for state, token in zip(states, ids.view(-1, 1), strict=True):
+            mtp, hidden, drafts = state.mtp, state.pending, []
+            length = mtp.length
+            for _ in range(k):
+                hidden = self.mtp_hidden(hidden, token, mtp)
+                token = (hidden @ self.head.T).argmax(-1)
+                drafts.append(token)
+            mtp.length = length
+            rows.append(torch.cat(drafts))
+        return torch.stack(rows)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weights["token_embedding"][ids]
 
     def prefill(self, ids: torch.Tensor, state: SequenceState, all_logits: bool = False) -> torch.Tensor:
-        """Logits (fp32) of the last new position `[V]`, or of every new position `[T, V]` with `all_logits`."""
+        """Logits (fp32) of the last new position `[V]`, or of every new position `[T, V]` with `all_logits`.
+        With a drafter the MTP head follows: it takes every (hidden state, next token) pair the new ids complete."""
+        ids = ids.to(self.device)
         hidden = self.hidden_states(ids, state)
+        if state.mtp is not None:
+            before = hidden[:-1] if state.pending is None else torch.cat([state.pending, hidden[:-1]])
+            after = ids[1:] if state.pending is None else ids
+            if after.numel():
+                self.mtp_hidden(before, after, state.mtp)
+            state.pending = hidden[-1:]
         last = hidden if all_logits else hidden[-1]
         return (last @ self.head.T).float()
 
@@ -223,10 +275,15 @@ class Qwen35Model:
         return state
 
     def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """The MTP head: logits `[T, V]` for x_{t+2} from the trunk's final-normed hidden states h_t `[T, H]` and
+        """The MTP head's logits `[T, V]` for x_{t+2}: `head(mtp_hidden(...))`."""
+        return (self.mtp_hidden(hidden, next_ids, state) @ self.head.T).float()
+
+    def mtp_hidden(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """The MTP head's final-normed output `[T, H]` from the trunk's final-normed hidden states h_t `[T, H]` and
         the next tokens x_{t+1} `[T]`, appended to the head's own sequence `state` (position t for h_t):
             u = input_projection([embedding_norm(embed(x_{t+1})) ; hidden_norm(h_t)])
-            u = full-attention decoder layer (mtp/layers/0) over u;  logits = head(final_norm(u))
+            u = full-attention decoder layer (mtp/layers/0) over u;  out = final_norm(u)
+        The head's logits for x_{t+2} are head(out); a chained draft feeds `out` back as the next h.
         """
         if not self.has_mtp:
             raise ValueError("this artifact has no MTP head")
@@ -245,7 +302,7 @@ class Qwen35Model:
         u = u + self.attention(rms_norm(u, layer["input_norm"], c.rms_eps), layer, state, 0, start, cos, sin)
         u = u + self.mlp(rms_norm(u, layer["post_attention_norm"], c.rms_eps), layer)
         state.length = start + t
-        return (rms_norm(u, w["final_norm"], c.rms_eps) @ self.head.T).float()
+        return rms_norm(u, w["final_norm"], c.rms_eps)
 
     def attention(self, x: torch.Tensor, w: _LayerWeights, state: SequenceState, layer: int, start: int,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -296,6 +353,13 @@ class Qwen35Model:
             return swiglu_mlp(x, w["mlp/gate_up"], w["mlp/down"])
         return moe_mlp(x, w["moe/router_shared_gate"], w["moe/routed_gate_up"], w["moe/routed_down"],
                        w["moe/shared_gate_up"], w["moe/shared_down"], self.config.top_k)
+
+
+def _recurrent_part(state: SequenceState) -> tuple:
+    """What `accept` needs to put a sequence back after one of its verify tokens: the GDN conv and recurrent state
+    (the operations return new tensors, so references suffice), the trunk's last hidden state and the MTP head's
+    length."""
+    return dict(state.conv), dict(state.recurrent), state.pending, state.mtp.length if state.mtp else 0
 
 
 class _LayerWeights:

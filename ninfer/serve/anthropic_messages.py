@@ -13,10 +13,12 @@ Request:
 - tools: client tools {name, description, input_schema} only, rendered as OpenAI function JSON in the template's
   tools block. tool_choice: auto, any (all tools rendered; not enforced, there is no constrained decoding), none
   (no tools rendered), tool (only the named tool rendered); disable_parallel_tool_use keeps the first call.
-- stop_sequences, temperature, top_p, top_k, max_tokens (optional here; default: the server's), stream.
+- max_tokens (required, as Anthropic requires it: 400 "max_tokens: Field required"), stop_sequences, temperature,
+  top_p, top_k, stream.
 - thinking: {"type": "disabled"} turns thinking off, any other type (enabled, adaptive) on; budget_tokens is not
   enforced. Absent: the server's default.
-- `model` is echoed, never checked: clients such as Claude Code name Anthropic models, and there is one model.
+- model: the served id or one of its aliases (`ninfer serve --model-alias`, e.g. the Claude model names a client
+  such as Claude Code sends), else 404 not_found_error; the answer echoes it.
 - accepted with no effect: metadata, service_tier, context_management, cache_control (top level, blocks, tools),
   container, diagnostics, inference_geo, speed, user_profile_id, workspace_id, output_config.effort. Refused with
   a 400 saying why: images, documents and other non-text blocks, server tools, mcp_servers, output formats, and
@@ -59,7 +61,7 @@ from ninfer.serve.errors import APIError, anthropic_error_body
 from ninfer.serve.request_log import record_of
 from ninfer.serve.schema import LenientModel, StrictModel, parse_body, parse_tagged
 from ninfer.serve.sse import sse_event
-from ninfer.serve.state import ServerState
+from ninfer.serve.state import ServerState, check_model
 from ninfer.serve.tools import FunctionTool, arguments_json, template_call, tools_by_name
 
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
@@ -162,7 +164,7 @@ class ConversationRequest(StrictModel):
 
 
 class MessagesRequest(ConversationRequest):
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = Field(default=None, ge=0)
@@ -464,6 +466,7 @@ def router(state: ServerState) -> APIRouter:
     @routes.post("/v1/messages")
     async def messages(http_request: HTTPRequest) -> Response:
         body = await parse_body(http_request, MessagesRequest)
+        check_model(state, body.model)
         message_id = new_id("msg_")
         record = record_of(http_request)
         record.update(id=message_id, stream=bool(body.stream))
@@ -474,6 +477,7 @@ def router(state: ServerState) -> APIRouter:
     @routes.post("/v1/messages/count_tokens")
     async def count_tokens(http_request: HTTPRequest) -> dict[str, int]:
         body = await parse_body(http_request, ConversationRequest)
+        check_model(state, body.model)
         return {"input_tokens": len(prompt_ids(state, read_request(body, state.config.default_thinking),
                                                limit=False))}
 

@@ -7,8 +7,10 @@ routers of the OpenAI Chat Completions, Responses and Anthropic Messages modules
 `router(state) -> APIRouter`). From the outside in, every request passes:
 
 1. CORS (with `cors`): `Access-Control-Allow-Origin: *`, any method and header; preflight answered here.
-2. The guard: one request-log line per request (except /health) once it has ended, and any unexpected exception
-   turned into a logged 500 in the API's error shape; the server keeps serving.
+2. The guard: once a request has ended, one line on the `ninfer.serve` logger (method, path, status, error code,
+   token counts, milliseconds; never text; /health at debug level, 5xx as warnings) and, with `request_log`, one
+   request-log line (except /health); any unexpected exception turned into a logged 500 in the API's error shape;
+   the server keeps serving.
 3. The API key (with `api_key`): `Authorization: Bearer KEY` or `x-api-key: KEY`, else 401 invalid_api_key.
    /health and OPTIONS are exempt.
 4. The body limit: 413 request_too_large when Content-Length or the bytes actually received exceed
@@ -49,6 +51,7 @@ from ninfer.serve.schema import StrictModel, parse_body
 from ninfer.serve.state import MiB, ServeConfig, ServerState, check_model
 
 UNLOGGED_PATHS = ("/health",)
+LOGGED_PATH_CHARS = 200  # a longer path is cut in the log line
 
 log = logging.getLogger("ninfer.serve")
 
@@ -219,10 +222,27 @@ class Guard:
                 status = error.status
                 await error_response(scope.get("path", ""), error)(scope, receive, send)
         finally:
+            seconds = time.time() - started
+            log_request(scope.get("method", ""), scope.get("path", ""), status, record, seconds)
             if self.log is not None and scope.get("path") not in UNLOGGED_PATHS:
                 record.update(time=round(started, 3), method=scope.get("method"), endpoint=scope.get("path"),
-                              status=status, total_seconds=time.time() - started)
+                              status=status, total_seconds=seconds)
                 self.log.write(record)
+
+
+def log_request(method: str, path: str, status: int | None, record: dict[str, Any], seconds: float) -> None:
+    """The request's line on the `ninfer.serve` logger, e.g. `POST /v1/chat/completions 200 prompt_tokens=21
+    completion_tokens=8 134 ms` or `POST /v1/messages 404 model_not_found 2 ms` (status `-`: the client left before
+    an answer). Only numbers and codes from the request's log record, never text."""
+    level = logging.DEBUG if path in UNLOGGED_PATHS else logging.WARNING if (status or 0) >= 500 else logging.INFO
+    if not log.isEnabledFor(level):
+        return
+    shown = path[:LOGGED_PATH_CHARS].encode("unicode_escape").decode("ascii")  # one line, whatever the path holds
+    parts = [method, shown, "-" if status is None else str(status)]
+    if record.get("error_code"):
+        parts.append(str(record["error_code"]))
+    parts += [f"{key}={record[key]}" for key in ("prompt_tokens", "completion_tokens") if record.get(key) is not None]
+    log.log(level, "%s %.0f ms", " ".join(parts), seconds * 1000)
 
 
 class APIKeyCheck:

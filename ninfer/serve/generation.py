@@ -45,7 +45,7 @@ async def engine_events(state: ServerState, request: Request) -> AsyncIterator[A
             async for event in events:
                 yield event
     except QueueFullError as exc:
-        raise APIError(429, f"the server is busy (its request queue is full): {exc}; retry later",
+        raise APIError(429, f"the server is busy ({exc}); retry later",
                        code="server_overloaded") from None
     except QueueTimeoutError as exc:
         raise APIError(503, f"the request waited too long for a free slot: {exc}; retry later",

@@ -3,6 +3,8 @@
 Request (beyond OpenAI's own fields, the vLLM extensions top_k, min_p, repetition_penalty, ignore_eos,
 stop_token_ids, enable_thinking and chat_template_kwargs):
 
+- model: the served id or one of its aliases (`ninfer serve --model-alias`), else 404 model_not_found; the answer
+  names the served id.
 - messages: system / developer (as system; leading ones are joined), user, assistant (content, reasoning_content or
   reasoning, tool_calls with JSON-object-string arguments), tool (content, tool_call_id); content is a string or
   text parts. Another role, or a non-text part, is a 400 naming the field.

@@ -18,8 +18,8 @@ Request:
   none (no tools rendered) / auto / required (all rendered; required is not enforced: no constrained decoding) /
   {type: "function", name} (only that tool rendered); parallel_tool_calls=false keeps the first call.
 - max_output_tokens (default: the server's), temperature, top_p; reasoning.effort none or minimal turns thinking
-  off, any other level on (the template has no levels); absent: the server's default. `model` may be omitted; if
-  given it must be the served id (else 404 model_not_found).
+  off, any other level on (the template has no levels); absent: the server's default. `model` (required; optional
+  for input_tokens) must be the served id or one of its aliases, else 404 model_not_found.
 - accepted with no effect: include, metadata, prompt_cache_key, prompt_cache_retention, safety_identifier,
   service_tier, user, truncation (nothing is truncated: a prompt over the context is a 400), text.verbosity,
   stream_options, reasoning.summary, max_tool_calls. Refused with a 400 saying why: background, conversation,
@@ -162,7 +162,7 @@ class TextConfig(LenientModel):
 
 
 class ResponsesRequest(StrictModel):
-    model: str | None = None
+    model: str
     input: str | list[Any] | None = None  # items, parsed by `parse_items`
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -196,8 +196,9 @@ class ResponsesRequest(StrictModel):
 
 class InputTokensRequest(ResponsesRequest):
     """`POST /v1/responses/input_tokens`: the fields of a response request (those that do not shape the prompt are
-    accepted and ignored)."""
+    accepted and ignored); `model` may be left out, as OpenAI allows here."""
 
+    model: str | None = None
     personality: str | None = None
 
 

@@ -15,12 +15,15 @@ MiB = 1 << 20
 
 @dataclass
 class ServeConfig:
-    """model_id: the id clients name (`model`); api_key: required on every route but /health when set;
+    """model_id: the served id (`model` in requests, the id /v1/models lists); model_aliases: other names a request's
+    `model` may give (e.g. the Claude or GPT names a client is set to send); api_key: required on every route but
+    /health when set;
     max_body_bytes: largest request body; default_max_tokens: output budget when a request sets none;
     cors: allow browsers from any origin; request_log: JSONL file to append one line per request to;
     default_thinking: thinking on for requests that do not say."""
 
     model_id: str
+    model_aliases: tuple[str, ...] = ()
     api_key: str | None = None
     max_body_bytes: int = 8 * MiB
     default_max_tokens: int = 1024
@@ -50,7 +53,8 @@ class ServerState:
 
 
 def check_model(state: ServerState, model: str | None, param: str = "model") -> None:
-    """404 model_not_found unless `model` is the served id."""
-    if model != state.model_id:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_id!r}",
+    """404 model_not_found (Anthropic: not_found_error) unless `model` is the served id or one of its aliases."""
+    if model != state.model_id and model not in state.config.model_aliases:
+        names = ", ".join(repr(name) for name in (state.model_id, *state.config.model_aliases))
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {names} (see GET /v1/models)",
                        code="model_not_found", param=param)

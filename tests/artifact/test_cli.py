@@ -17,6 +17,9 @@ import torch
 from ninfer.artifact import write_artifact
 from ninfer.artifact.checksums import update_sums
 from ninfer.cli import main
+from tests.artifact.test_read_write import edit_directory
+
+NO_DIGESTS = "the directory records no object digests (another writer's artifact): object digests not checked"
 
 HEADER = struct.Struct("<8sQ16s")
 PAGE = 4096
@@ -78,6 +81,12 @@ def patch(path: Path, offset: int, data: bytes) -> None:
 
 def xor_byte(path: Path, offset: int, mask: int) -> None:
     patch(path, offset, bytes([path.read_bytes()[offset] ^ mask]))
+
+
+def strip_digests(root: dict) -> None:
+    """Make the directory what a writer without ninfer's digest extension writes."""
+    for obj in root["objects"]:
+        del obj["sha256"]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -198,12 +207,14 @@ def test_verify_catches_one_flipped_payload_byte(tmp_path: Path, capsys: pytest.
     xor_byte(entry, object_position(entry, "text/embed") + 2 * 37, 0x01)
     code, out, err = run_cli(capsys, "verify", str(entry), "--quiet")
     assert code == 1 and out == ""
-    assert len(err.splitlines()) == 1
-    assert err.startswith(f"{entry}: model.ninfer: SHA-256 ")
-    assert "differs from SHA256SUMS" in err
-    # the checksum is the only thing wrong: without SHA256SUMS the same file verifies
+    checksum, digest = err.splitlines()
+    assert checksum.startswith(f"{entry}: SHA-256 ") and "differs from SHA256SUMS" in checksum
+    assert digest.startswith(f"{entry}: object 'text/embed': SHA-256 ") and "differs from its directory entry" in digest
+    assert all(line.count(entry.name) == 1 for line in (checksum, digest))  # the path is named once
+    # without SHA256SUMS the object's own digest still catches it
     (tmp_path / "SHA256SUMS").unlink()
-    assert main(["verify", str(entry), "--quiet"]) == 0
+    code, out, err = run_cli(capsys, "verify", str(entry), "--quiet")
+    assert code == 1 and err.splitlines()[1:] == [digest]
 
 
 def test_verify_names_the_damaged_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -216,8 +227,9 @@ def test_verify_names_the_damaged_part(tmp_path: Path, capsys: pytest.CaptureFix
     xor_byte(paths[-1], PAGE + logical - first_in_part, 0x01)  # a mantissa bit of an fp16 value
     code, out, err = run_cli(capsys, "verify", str(paths[0]), "--quiet")
     assert code == 1 and out == ""
-    assert len(err.splitlines()) == 1
-    assert err.startswith(f"{paths[0]}: {paths[-1].name}: SHA-256 ")
+    checksum, digest = err.splitlines()
+    assert checksum.startswith(f"{paths[0]}: part {paths[-1].name}: SHA-256 ")
+    assert digest.startswith(f"{paths[0]}: object 'vision/patch': SHA-256 ")
 
 
 def test_verify_fails_when_checksums_skip_a_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,12 +285,14 @@ def _bf16_nan(entry: Path) -> None:
 def test_verify_rejects_an_illegal_stored_value(tmp_path: Path, capsys: pytest.CaptureFixture[str], damage,
                                                 reason: str) -> None:
     entry = build(tmp_path)[0]
+    edit_directory(entry, strip_digests)  # another writer's artifact: only the decode checks can catch it
     assert main(["verify", str(entry), "--quiet"]) == 0
     capsys.readouterr()
     damage(entry)
     code, out, err = run_cli(capsys, "verify", str(entry), "--quiet")
     assert code == 1 and out == ""
-    assert err.splitlines() == ["note: no SHA256SUMS beside the artifact: checksums not checked", f"{entry}: {reason}"]
+    assert err.splitlines() == ["note: no SHA256SUMS beside the artifact: checksums not checked",
+                                f"note: {NO_DIGESTS}", f"{entry}: {reason}"]
 
 
 # -- real processes ----------------------------------------------------------------------------------------------

@@ -101,8 +101,9 @@ def test_tiny_presets_build_verify_and_are_deterministic(tmp_path, capsys, prese
 
 
 def test_unknown_preset_is_rejected(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["synth", "--preset", "gpt-5", "--recipe", "q4", "--out", str(tmp_path / "x.ninfer")])
+    assert main(["synth", "--preset", "gpt-5", "--recipe", "q4", "--out", str(tmp_path / "x.ninfer")]) == 2
+    assert "argument --preset: invalid choice: 'gpt-5'" in capsys.readouterr().err
+    assert not (tmp_path / "x.ninfer").exists()
 
 
 def test_layers_keeps_a_slice_of_the_preset(tmp_path):

@@ -180,6 +180,21 @@ def test_a_full_queue_refuses_and_a_long_wait_times_out(llm):
         engine.close()
 
 
+def test_a_burst_beyond_running_plus_waiting_is_refused_at_submit(llm):
+    """Requests that arrive before the engine admits any (a burst) count against max_concurrency + max_pending
+    together: the excess is refused at once, not queued to time out; a cancelled request frees its place."""
+    engine = llm.engine_with(max_concurrency=1, max_pending=1)  # not started: nothing is admitted meanwhile
+    request = Request(llm.tokenizer.encode("class A:\n"), GREEDY, thinking=False)
+    held = [engine.submit(request, lambda item: None) for _ in range(2)]
+    for _ in range(2):
+        with pytest.raises(QueueFullError, match="1 running \\+ 1 waiting"):
+            engine.submit(request, lambda item: None)
+    assert engine.stats()["waiting"] == 2
+    engine.cancel(held[1])
+    engine.submit(request, lambda item: None)
+    engine.close()
+
+
 def test_prefix_reuse_across_clients_and_turns_gives_identical_logits(llm):
     system = "You are a careful Python reviewer. " * 8
     first = _chat(llm, system, "Review: def f(): pass")

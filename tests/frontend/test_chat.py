@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from ninfer.errors import NinferError
-from ninfer.frontend import ChatTemplate, ChatTemplateError
+from ninfer.frontend import ChatTemplate, ChatTemplateError, UnsupportedContentError, check_text_only
 from ninfer.frontend.vocab import byte_tokenizer_files, chat_template_bytes
 
 TEMPLATE = chat_template_bytes().decode("utf-8")
@@ -253,3 +253,18 @@ def test_from_artifact_resources(ours):
     assert inline.render(messages) == "D"
     with pytest.raises(ChatTemplateError, match="no chat template"):
         ChatTemplate.from_artifact(_Resources({}))
+
+
+@pytest.mark.parametrize(("part", "message"), [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "images are not supported yet"),
+    ({"type": "input_image", "image_url": "https://example.com/a.png"}, "images are not supported yet"),
+    ({"image": "file:///tmp/a.png"}, "images are not supported yet"),  # untyped, as the Qwen template reads it
+    ({"type": "video", "video": "file:///tmp/a.mp4"}, "video inputs are not supported yet"),
+])
+def test_check_text_only_refuses_media_parts(part: dict, message: str) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": [{"type": "text", "text": "Look:"}, part]}]
+    with pytest.raises(UnsupportedContentError, match=rf"^messages\[2\]\.content\[1\]: {message}") as refused:
+        check_text_only(messages)
+    assert isinstance(refused.value, ValueError) and isinstance(refused.value, NinferError)
+    check_text_only([*messages[:2], {"role": "user", "content": [{"type": "text", "text": "Look:"}]}])

@@ -27,7 +27,7 @@ from tests.serve.support import (
     wait_until,
 )
 
-MODEL = "claude-test"  # echoed, never checked
+MODEL = "claude-test"  # served under an alias (echoed in answers), as Claude Code asks for a Claude model
 KEY = "sk-ant-test"
 BODY_LIMIT = 256 << 10
 HELLO = [{"role": "user", "content": "What is the capital of France?"}]
@@ -45,7 +45,7 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "descriptio
 
 @pytest.fixture(scope="module")
 def server(engine: Engine) -> Iterator[Loopback]:
-    loopback = Loopback(create_app(engine, ServeConfig(model_id="served-id", api_key=KEY,
+    loopback = Loopback(create_app(engine, ServeConfig(model_id="served-id", model_aliases=(MODEL,), api_key=KEY,
                                                        max_body_bytes=BODY_LIMIT)))
     yield loopback
     loopback.stop()
@@ -194,7 +194,7 @@ def test_stop_sequences(client: anthropic.Anthropic, server: Loopback, llm: LLM)
     assert ([b.text for b in streamed.content], streamed.stop_reason, streamed.stop_sequence) == (
         [cut], "stop_sequence", stop)
     for script, content in (([ContentDelta("Hi.")], [("text", "Hi.")]), ([], [("text", "")])):
-        ends = Loopback(create_app(ScriptedEngine(llm, script), ServeConfig(model_id="x")))  # type: ignore
+        ends = Loopback(create_app(ScriptedEngine(llm, script), ServeConfig(model_id=MODEL)))  # type: ignore
         try:  # the model ends its turn itself (an empty answer still has one text block)
             ended = ends.anthropic_client(KEY).messages.create(model=MODEL, max_tokens=8, messages=HELLO,
                                                                stop_sequences=[stop])
@@ -227,7 +227,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, llm: LLM) -> None:
     calls = [ToolCall("get_weather", {"city": "Paris"}, "<tool_call>…</tool_call>"),
              ToolCall("get_time", {"city": "Oslo", "utc": True}, "<tool_call>…</tool_call>")]
     script = [ReasoningDelta("Let me "), ReasoningDelta("look."), ContentDelta("Checking."), *calls]
-    scripted = Loopback(create_app(ScriptedEngine(llm, script), ServeConfig(model_id="x")))  # type: ignore
+    scripted = Loopback(create_app(ScriptedEngine(llm, script), ServeConfig(model_id=MODEL)))  # type: ignore
     scripted_client = scripted.anthropic_client(KEY)
     try:
         question = [{"role": "user", "content": "Weather in Paris, time in Oslo?"}]
@@ -292,6 +292,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, llm: LLM) -> None:
     ({"max_tokens": 4, "messages": HELLO}, "model"),
     ({"model": MODEL, "max_tokens": 4}, "messages"),
     ({"model": MODEL, "max_tokens": 0, "messages": HELLO}, "max_tokens"),
+    ({"model": MODEL, "messages": HELLO}, "max_tokens"),
     ({"model": MODEL, "messages": HELLO, "temperature": "hot"}, "temperature"),
     ({"model": MODEL, "messages": HELLO, "best_of": 2}, "best_of"),
     ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
@@ -320,7 +321,11 @@ def test_schema_errors_name_the_field(server: Loopback, body: dict, field: str) 
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         if path.endswith("count_tokens") and field in ("max_tokens", "temperature", "stop_sequences", "messages"):
             continue  # not count_tokens fields, or not an error there (counting has no context limit)
-        response = httpx.post(f"{server.url}{path}", json=body, headers=headers)
+        if path.endswith("count_tokens"):
+            sent = {k: v for k, v in body.items() if k != "max_tokens"}
+        else:  # max_tokens is required: given unless it is the field at fault
+            sent = body if field == "max_tokens" else {"max_tokens": 4, **body}
+        response = httpx.post(f"{server.url}{path}", json=sent, headers=headers)
         assert field in anthropic_error(response, 400, "invalid_request_error"), (path, response.text)
 
 
@@ -348,7 +353,7 @@ def test_sdk_errors(server: Loopback, client: anthropic.Anthropic) -> None:
 def test_queue_full_and_queue_timeout(llm: LLM) -> None:
     """One running slot, one waiting place: a third request is refused at once (429 rate_limit_error); the waiting
     one gives up after queue_timeout (503 overloaded_error)."""
-    with one_slot_taken(llm, "served-id") as (loopback, engine):
+    with one_slot_taken(llm, MODEL) as (loopback, engine):
         client = loopback.anthropic_client(KEY)
         waiting: dict[str, Any] = {}
 
@@ -364,30 +369,34 @@ def test_queue_full_and_queue_timeout(llm: LLM) -> None:
         with pytest.raises(anthropic.RateLimitError) as full:
             client.messages.create(model=MODEL, max_tokens=1, messages=HELLO)
         assert full.value.status_code == 429 and full.value.type == "rate_limit_error"
+        assert full.value.response.headers["retry-after"] == "1"
         refused = httpx.post(f"{loopback.url}/v1/messages", json={"model": MODEL, "max_tokens": 1,
                                                                   "messages": HELLO, "stream": True})
         anthropic_error(refused, 429, "rate_limit_error")  # a stream is refused with a status, too
+        assert refused.headers["retry-after"] == "1"
         waiter.join(timeout=30)
         assert isinstance(waiting["error"], anthropic.ServiceUnavailableError)
         assert waiting["error"].status_code == 503 and waiting["error"].type == "overloaded_error"
+        assert waiting["error"].response.headers["retry-after"] == "1"
 
 
 def test_internal_errors(llm: LLM) -> None:
     """An engine failure before any output is a 500 api_error (JSON or stream); after the stream started it is an
     `error` event that ends the stream."""
     broken = Loopback(create_app(ScriptedEngine(llm, [RuntimeError("boom")]),  # type: ignore[arg-type]
-                                 ServeConfig(model_id="x")))
+                                 ServeConfig(model_id=MODEL)))
     late = Loopback(create_app(ScriptedEngine(llm, [ContentDelta("Hello"), RuntimeError("late boom")]),  # type: ignore
-                               ServeConfig(model_id="x")))
+                               ServeConfig(model_id=MODEL)))
     try:
         with pytest.raises(anthropic.InternalServerError) as failed:
             broken.anthropic_client(KEY).messages.create(model=MODEL, max_tokens=1, messages=HELLO)
         assert failed.value.status_code == 500 and failed.value.type == "api_error"
         assert "boom" not in failed.value.api_message
-        response = httpx.post(f"{broken.url}/v1/messages", json={"model": MODEL, "messages": HELLO, "stream": True})
+        streamed = {"model": MODEL, "max_tokens": 1, "messages": HELLO, "stream": True}
+        response = httpx.post(f"{broken.url}/v1/messages", json=streamed)
         anthropic_error(response, 500, "api_error")
 
-        status, events = sse(late, {"model": MODEL, "messages": HELLO})
+        status, events = sse(late, {"model": MODEL, "max_tokens": 8, "messages": HELLO})
         assert status == 200
         assert [name for name, _ in events] == ["message_start", "ping", "content_block_start",
                                                 "content_block_delta", "error"]

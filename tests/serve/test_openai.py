@@ -370,7 +370,7 @@ def test_cors(engine: Engine) -> None:
 
 def test_queue_full_and_queue_timeout(llm: LLM) -> None:
     """One running slot, one waiting place: a third request is refused at once (429); the waiting one gives up
-    after queue_timeout (503); closing the running stream frees its sequence."""
+    after queue_timeout (503); both say Retry-After; closing the running stream frees its sequence."""
     engine = llm.engine_with(max_concurrency=1, max_pending=1, queue_timeout=1.0).start()
     loopback = Loopback(create_app(engine, ServeConfig(model_id=MODEL)))
     url = f"{loopback.url}/v1/chat/completions"
@@ -390,10 +390,13 @@ def test_queue_full_and_queue_timeout(llm: LLM) -> None:
                 client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4000,
                                                extra_body={"ignore_eos": True})
             assert full.value.status_code == 429 and full.value.code == "server_overloaded"
+            assert full.value.response.headers["retry-after"] == "1"
             refused = httpx.post(url, json={**long, "stream": True})  # a stream is refused with a status, too
             assert refused.status_code == 429 and error_of(refused)["code"] == "server_overloaded"
+            assert refused.headers["retry-after"] == "1"
             waiter.join(timeout=30)
             assert waiting["r"].status_code == 503 and error_of(waiting["r"])["code"] == "request_queue_timeout"
+            assert waiting["r"].headers["retry-after"] == "1"
             assert engine.stats()["running"] == 1
         wait_until(lambda: engine.stats()["running"] == 0)  # the closed stream freed its sequence
     finally:

@@ -345,11 +345,13 @@ def test_queue_full_and_queue_timeout(llm: LLM) -> None:
         with pytest.raises(openai.RateLimitError) as full:
             client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1)
         assert full.value.status_code == 429 and full.value.code == "server_overloaded"
+        assert full.value.response.headers["retry-after"] == "1"
         status, events = sse(loopback.url, {"model": MODEL, "input": QUESTION})  # a stream gets a status, too
         assert status == 429 and events[0]["error"]["code"] == "server_overloaded"
         waiter.join(timeout=30)
         assert isinstance(waiting["error"], openai.InternalServerError)
         assert waiting["error"].status_code == 503 and waiting["error"].code == "request_queue_timeout"
+        assert waiting["error"].response.headers["retry-after"] == "1"
 
 
 def test_internal_errors(llm: LLM) -> None:
