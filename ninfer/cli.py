@@ -19,11 +19,14 @@ from ninfer.cli_types import (
     existing_file,
     finite_float,
     int_at_least,
+    int_between,
     positive_int,
     positive_int_list,
+    probability,
     token_ids,
     writable_file,
 )
+from ninfer.config import MAX_DRAFT_TOKENS, SPEC_METHODS
 from ninfer.errors import NinferError
 
 EXIT_UNSOUND = 1
@@ -174,6 +177,10 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     bench.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
     _add_runner_flags(bench)
+    bench.add_argument("--acceptance", type=probability,
+                       help="with --spec: accept each draft with this probability (given the ones before it) instead "
+                            "of the model's own acceptance, which random-weight artifacts make near zero; reported "
+                            "as synthetic")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -189,6 +196,12 @@ def _add_runner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=positive_int, default=None,
                         help="prompt tokens per prefill pass of the model (default 4096; the memory plan reserves "
                              "room for one)")
+    parser.add_argument("--spec", choices=SPEC_METHODS, default="none",
+                        help="speculative decoding: mtp drafts with the artifact's MTP head and verifies the drafts "
+                             "in one step (greedy output unchanged, sampling distribution unchanged); default none")
+    parser.add_argument("--draft-tokens", type=int_between(1, MAX_DRAFT_TOKENS),
+                        help=f"drafts per round with --spec (1..{MAX_DRAFT_TOKENS}; default: chosen per round from "
+                             "the measured acceptance and round cost)")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -196,6 +209,8 @@ def _bench(args: argparse.Namespace) -> int:
     from ninfer.engine import LLM
     from ninfer.eval.bench import format_report, report_json, run_bench
 
+    if args.acceptance is not None and args.spec == "none":
+        raise NinferError("--acceptance needs --spec mtp")
     slots = max(args.batch_sizes)
     config = from_args(args, max_concurrency=slots,
                        max_context=max(args.prompt_lengths) + args.new_tokens + 1)
@@ -203,7 +218,7 @@ def _bench(args: argparse.Namespace) -> int:
     lengths = [min(p, llm.max_context - args.new_tokens - 1) for p in args.prompt_lengths]
     if min(lengths) < 1:
         raise NinferError(f"--new-tokens {args.new_tokens} leaves no room for a prompt in {llm.max_context}")
-    report = run_bench(llm, sorted(set(lengths)), args.new_tokens, args.batch_sizes)
+    report = run_bench(llm, sorted(set(lengths)), args.new_tokens, args.batch_sizes, acceptance=args.acceptance)
     print(json.dumps(report_json(report), indent=1) if args.json else format_report(report))
     return 0
 

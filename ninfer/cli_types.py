@@ -62,6 +62,18 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return at_least
 
 
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An integer type that refuses values outside `low`..`high`."""
+
+    def between(text: str) -> int:
+        value = _integer(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {low}..{high}")
+        return value
+
+    return between
+
+
 def tcp_port(text: str) -> int:
     """A TCP port, 0 to 65535 (0: the system picks a free one)."""
     value = _integer(text)
@@ -84,6 +96,14 @@ def positive_finite_float(text: str) -> float:
     value = finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in [0, 1]."""
+    value = finite_float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability (0 to 1)")
     return value
 
 

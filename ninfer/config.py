@@ -127,7 +127,7 @@ class SpeculativeConfig:
         if self.draft_tokens is not None and self.draft_tokens > MAX_DRAFT_TOKENS:
             raise ConfigError(f"draft_tokens must be 1..{MAX_DRAFT_TOKENS}, not {self.draft_tokens}")
         if self.draft_tokens is not None and self.spec == "none":
-            raise ConfigError("draft_tokens needs a speculative method (spec='mtp')")
+            raise ConfigError("draft_tokens (--draft-tokens) needs spec='mtp' (--spec mtp)")
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,17 @@ def run_command(args: argparse.Namespace) -> int:
     stats = completion.stats
     print(f"\n[load {llm.load_seconds:.2f} s | prompt {stats.prompt_tokens} tokens | prefill "
           f"{stats.prefill_tokens_per_second:.1f} tok/s | decode {stats.decode_tokens_per_second:.1f} tok/s | "
-          f"{stats.generated_tokens} tokens, finish {completion.finish_reason} | {llm.device}, "
-          f"{'fast' if llm.fast else 'reference'} runner]", file=sys.stderr)
+          f"{stats.generated_tokens} tokens, finish {completion.finish_reason}{_speculation(stats.speculation)} | "
+          f"{llm.device}, {'fast' if llm.fast else 'reference'} runner]", file=sys.stderr)
     return 0
+
+
+def _speculation(spec: Any) -> str:
+    """The stats line's part on speculative rounds: rounds, drafts accepted, tokens per round, acceptance per
+    draft position."""
+    if spec is None or not spec.rounds:
+        return ""
+    positions = "/".join(f"{a / d:.2f}" for a, d in zip(spec.accepted_per_position, spec.drafted_per_position,
+                                                           strict=True))
+    return (f" | mtp {spec.rounds} rounds, {spec.accepted}/{spec.drafted} drafts accepted, "
+            f"{spec.tokens_per_round:.2f} tokens/round, by position {positions}")

@@ -50,6 +50,7 @@ READ_BURST = 10
 # 8,192-token context on the H200: 5.43-5.48 ms a step without the pause, 5.13 ms with it; the GPU's clocks after the
 # prefill are the likely cause, not read)
 DECODE_SETTLE_SECONDS = 1.0
+DEFAULT_BENCH_DRAFTS = 3  # draft tokens of the benchmarked rounds when the configuration leaves K to the engine
 
 
 @dataclass
@@ -63,6 +64,7 @@ class BenchReport:
     state_dtype: str | None = None
     prefill: list[dict[str, float]] = field(default_factory=list)
     decode: list[dict[str, float]] = field(default_factory=list)
+    speculative: list[dict[str, float]] = field(default_factory=list)  # MTP rounds, beside `decode`'s plain steps
     peak_memory_bytes: int = 0
     graph_memory_bytes: int = 0  # the fast path's decode graphs' shared memory pool (`FastQwen35.graph_bytes`)
 
@@ -156,7 +158,10 @@ def _prefill_flops(llm: LLM, tokens: int) -> float:
 
 
 def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes: list[int],
-              limits: Limits | None = None) -> BenchReport:
+              limits: Limits | None = None, acceptance: float | None = None) -> BenchReport:
+    """With a speculating `llm` (`spec="mtp"`) each batch also runs MTP rounds of its draft length (3 when it is
+    chosen per round) for `new_tokens` tokens a sequence: real greedy acceptance, or with `acceptance` P a synthetic
+    one (draft i is accepted with probability P when drafts 1..i-1 were; every kernel of the round still runs)."""
     device = llm.device
     limits = limits or measure_limits(device, llm.dtype)
     model = llm.model
@@ -206,10 +211,56 @@ def run_bench(llm: LLM, prompt_lengths: list[int], new_tokens: int, batch_sizes:
                                   "tokens_per_second": batch * steps / seconds,
                                   "bytes_per_step": step_bytes,
                                   "fraction_of_bandwidth_limit": floor / (seconds / steps)})
+            if llm.config.speculative.spec != "none":
+                k = llm.config.speculative.draft_tokens or DEFAULT_BENCH_DRAFTS
+                row = _bench_rounds(llm, batch, context, new_tokens, k, acceptance, generator)
+                row["speedup"] = row["tokens_per_second"] / report.decode[-1]["tokens_per_second"]
+                report.speculative.append(row)
     if device.type == "cuda":
         report.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
         report.graph_memory_bytes = model.graph_bytes if llm.fast else 0
     return report
+
+
+def _bench_rounds(llm: LLM, batch: int, context: int, new_tokens: int, k: int, acceptance: float | None,
+                  generator: torch.Generator) -> dict[str, Any]:
+    """Seconds and tokens of `new_tokens` // 2 + 1 MTP rounds of K drafts for `batch` sequences (see `run_bench`):
+    draft, verify, the accept decision, accept, as the engine's round does them."""
+    model, device = llm.model, llm.device
+    vocab = llm.tokenizer.vocab_size
+    rounds = new_tokens // 2 + 1
+    states, tokens = [], []
+    for _ in range(batch):
+        state = model.new_state(context + rounds * (k + 1) + 1)
+        ids = torch.randint(0, vocab, (context,), generator=generator).to(device)
+        tokens.append(model.prefill(ids, state).argmax())
+        states.append(state)
+    tokens = torch.stack(tokens)
+    emitted = [0] * batch
+    accepted_total = 0
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(rounds):
+        drafts = model.draft(states, tokens, k)
+        logits = model.verify(states, torch.cat([tokens.view(-1, 1), drafts], dim=1))
+        targets = logits[..., :vocab].argmax(-1)  # [B, K+1]
+        if acceptance is None:  # greedy: accept while the draft is the target's argmax
+            accepted = torch.cumprod((targets[:, :k] == drafts).long(), 1).sum(1)
+        else:
+            draws = torch.rand(batch, k, generator=generator).to(device) < acceptance
+            accepted = torch.cumprod(draws.long(), 1).sum(1)
+        counts = accepted.tolist()
+        model.accept(states, [a + 1 for a in counts])
+        tokens = targets.gather(1, accepted.view(-1, 1)).view(-1)
+        emitted = [e + a + 1 for e, a in zip(emitted, counts, strict=True)]
+        accepted_total += sum(counts)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    for state in states:
+        model.free_state(state)
+    return {"batch": batch, "draft_tokens": k, "synthetic_acceptance": acceptance, "rounds": rounds,
+            "seconds_per_round": seconds / rounds, "tokens_per_round": 1 + accepted_total / (rounds * batch),
+            "tokens_per_second": sum(emitted) / seconds}
 
 
 def _prefill_once(model: Model, ids: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -237,6 +288,14 @@ def format_report(report: BenchReport) -> str:
     for row in report.decode:
         lines.append(f"         {row['batch']:>6}  {row['tokens_per_second']:>9.1f}  "
                      f"{1000 * row['seconds_per_step']:>8.2f}   {row['fraction_of_bandwidth_limit']:.3f}")
+    if report.speculative:
+        lines.append("mtp      batch    tok/s      ms/round  drafts  tokens/round  speed-up over plain decode")
+        for row in report.speculative:
+            synthetic = f"  (synthetic acceptance {row['synthetic_acceptance']:g})" \
+                if row["synthetic_acceptance"] is not None else ""
+            lines.append(f"         {row['batch']:>6}  {row['tokens_per_second']:>9.1f}  "
+                         f"{1000 * row['seconds_per_round']:>8.2f}  {row['draft_tokens']:>6}  "
+                         f"{row['tokens_per_round']:>12.2f}  {row['speedup']:.2f}x{synthetic}")
     if report.peak_memory_bytes:
         lines.append(f"peak device memory {report.peak_memory_bytes / 2**30:.2f} GiB"
                      + (f", decode graphs {report.graph_memory_bytes / 2**20:.1f} MiB"

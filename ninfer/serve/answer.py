@@ -41,6 +41,13 @@ def reasoning_tokens(result: Result, tokenizer: Any, thinking: bool) -> int:
     return result.completion_tokens
 
 
+def speculative_usage(result: Result) -> dict[str, Any]:
+    """The usage extension of a speculating engine, `{"speculative": {rounds, drafted_tokens, accepted_tokens,
+    accepted_per_position, fallback_steps}}`; nothing without speculation."""
+    spec = result.stats.speculation
+    return {} if spec is None else {"speculative": {"method": "mtp", **spec.as_dict()}}
+
+
 class Answer(ABC):
     """One answer in an API's wire format, written from the engine's events of one request (see `respond`).
     `what` names it in the server's log, e.g. "chat completion chatcmpl-…"."""

@@ -55,7 +55,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ninfer.engine import Request, Result
 from ninfer.frontend import ToolCall
-from ninfer.serve.answer import Answer, OrderedParts, StreamEvents, new_id, respond
+from ninfer.serve.answer import Answer, OrderedParts, StreamEvents, new_id, respond, speculative_usage
 from ninfer.serve.conversation import Conversation, Sampling, engine_request, prompt_ids, with_system
 from ninfer.serve.errors import APIError, anthropic_error_body
 from ninfer.serve.request_log import record_of
@@ -357,7 +357,8 @@ def stop_reason(result: Result, tool_calls: int) -> str:
 
 def usage_json(result: Result) -> dict[str, Any]:
     return {"input_tokens": result.prompt_tokens - result.cached_tokens, "output_tokens": result.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": result.cached_tokens}
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": result.cached_tokens,
+            **speculative_usage(result)}
 
 
 BLOCK_TEXT_FIELDS = {"reasoning": ("thinking", "thinking_delta"), "content": ("text", "text_delta")}

@@ -42,7 +42,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ninfer.engine import Request, Result
 from ninfer.frontend import ContentDelta, ReasoningDelta, ToolCall
-from ninfer.serve.answer import Answer, new_id, reasoning_tokens, respond
+from ninfer.serve.answer import Answer, new_id, reasoning_tokens, respond, speculative_usage
 from ninfer.serve.conversation import Conversation, Sampling, engine_request, resolve_thinking, with_system
 from ninfer.serve.errors import APIError, openai_error_body
 from ninfer.serve.request_log import record_of
@@ -332,7 +332,7 @@ def usage_json(result: Result, reasoning: int) -> dict[str, Any]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
             "total_tokens": result.prompt_tokens + result.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": reasoning}}
+            "completion_tokens_details": {"reasoning_tokens": reasoning}, **speculative_usage(result)}
 
 
 class ChatAnswer(Answer):

@@ -24,7 +24,7 @@ RECORD_KEY = "ninfer_record"  # scope["state"][RECORD_KEY]: the request's log re
 # every line has these keys (None when they do not apply), in this order
 LOG_FIELDS = ("time", "id", "method", "endpoint", "status", "stream", "thinking", "prompt_tokens",
               "completion_tokens", "cached_tokens", "queue_seconds", "prefill_seconds", "decode_seconds",
-              "total_seconds", "finish_reason", "tool_calls", "error_code", "error_type")
+              "total_seconds", "finish_reason", "tool_calls", "speculative", "error_code", "error_type")
 
 
 class RequestLog:
@@ -70,4 +70,5 @@ def record_result(request: HTTPRequest, result: Result) -> None:
     record_of(request).update(
         prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
         cached_tokens=result.cached_tokens, queue_seconds=stats.queue_seconds, prefill_seconds=stats.prefill_seconds,
-        decode_seconds=stats.decode_seconds, finish_reason=result.finish_reason, tool_calls=len(result.tool_calls))
+        decode_seconds=stats.decode_seconds, finish_reason=result.finish_reason, tool_calls=len(result.tool_calls),
+        speculative=stats.speculation.as_dict() if stats.speculation is not None else None)

@@ -58,7 +58,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ninfer.engine import Request, Result
 from ninfer.frontend import ToolCall
-from ninfer.serve.answer import Answer, OrderedParts, StreamEvents, new_id, reasoning_tokens, respond
+from ninfer.serve.answer import (Answer, OrderedParts, StreamEvents, new_id, reasoning_tokens, respond,
+                                 speculative_usage)
 from ninfer.serve.conversation import (
     Conversation,
     Sampling,
@@ -481,7 +482,7 @@ class ResponseAnswer(Answer):
                 "input_tokens_details": {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": result.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": reasoning},
-                "total_tokens": result.prompt_tokens + result.completion_tokens}
+                "total_tokens": result.prompt_tokens + result.completion_tokens, **speculative_usage(result)}
 
     def save(self, response: dict[str, Any]) -> None:
         """Store the finished response, unless the request says `store: false`."""

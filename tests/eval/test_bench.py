@@ -69,3 +69,17 @@ def test_moe_decode_reads_the_expected_share_of_the_experts():
         share = 1 - (1 - c.top_k / c.experts) ** batch  # chance that a given expert is among a step's choices
         assert abs(_weight_bytes_per_step(llm, batch) - (rest + routed * share)) < 1e-3
     assert _weight_bytes_per_step(llm, 8) > _weight_bytes_per_step(llm, 1)
+
+
+def test_speculative_rounds_with_synthetic_acceptance():
+    """Acceptance 1 emits K+1 tokens a round and 0 emits one; real acceptance lies between; the rows name it."""
+    llm = LLM(runner="reference", spec="mtp", draft_tokens=3)
+    limits = Limits("cpu", read_bytes_per_second=1e10, matmul_flops_per_second=1e11, dtype="float32")
+    for acceptance, low, high in ((1.0, 4.0, 4.0), (0.0, 1.0, 1.0), (None, 1.0, 4.0)):
+        report = run_bench(llm, [16], new_tokens=6, batch_sizes=[2], limits=limits, acceptance=acceptance)
+        (row,) = report.speculative
+        assert row["draft_tokens"] == 3 and row["synthetic_acceptance"] == acceptance and row["rounds"] == 4
+        assert low <= row["tokens_per_round"] <= high
+        speed = row["tokens_per_round"] * row["batch"] / row["seconds_per_round"]
+        assert abs(row["tokens_per_second"] - speed) < 1e-6 * speed
+        assert abs(row["speedup"] - row["tokens_per_second"] / report.decode[0]["tokens_per_second"]) < 1e-9
