@@ -58,8 +58,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ninfer.engine import Request, Result
 from ninfer.frontend import ToolCall
-from ninfer.serve.answer import (Answer, OrderedParts, StreamEvents, new_id, reasoning_tokens, respond,
-                                 speculative_usage)
+from ninfer.serve.answer import Answer, OrderedParts, StreamEvents, new_id, reasoning_tokens, respond, speculative_usage
 from ninfer.serve.conversation import (
     Conversation,
     Sampling,
