@@ -113,14 +113,23 @@ def _add_run_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--max-context", type=positive_int, help="context length (default: the model's)")
     run.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
     # the sampling flags' ranges are SamplingParams' own, checked by `ninfer run` before the model loads
-    run.add_argument("--temperature", type=finite_float)
-    run.add_argument("--top-k", type=int)
-    run.add_argument("--top-p", type=finite_float)
-    run.add_argument("--min-p", type=finite_float)
-    run.add_argument("--presence-penalty", type=finite_float)
-    run.add_argument("--frequency-penalty", type=finite_float)
-    run.add_argument("--repetition-penalty", type=finite_float)
-    run.add_argument("--seed", type=int, help="same seed, same output")
+    config = "default: the artifact's generation_config.json, else "
+    run.add_argument("--temperature", type=finite_float,
+                     help=f"divide the logits by T; 0 is greedy ({config}1; a config without do_sample is greedy)")
+    run.add_argument("--top-k", type=int, help=f"keep the K most probable tokens; 0 keeps all ({config}0)")
+    run.add_argument("--top-p", type=finite_float,
+                     help=f"keep the smallest most probable set whose mass reaches P, in (0, 1] ({config}1)")
+    run.add_argument("--min-p", type=finite_float,
+                     help=f"keep tokens at least P times as probable as the best, in [0, 1) ({config}0)")
+    run.add_argument("--presence-penalty", type=finite_float,
+                     help="subtract X from the logit of every token already generated (OpenAI's; default 0)")
+    run.add_argument("--frequency-penalty", type=finite_float,
+                     help="subtract X times its count from the logit of every generated token (OpenAI's; default 0)")
+    run.add_argument("--repetition-penalty", type=finite_float,
+                     help=f"divide positive, multiply negative logits of prompt and generated tokens by X, > 0 "
+                          f"(Hugging Face's; {config}1)")
+    run.add_argument("--seed", type=int, help="seed of this request's sampler: same seed, same output (default: "
+                                              "torch's global generator)")
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     run.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
@@ -173,9 +182,11 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("-p", "--prompt-lengths", type=positive_int_list, default=[512, 8192],
                        help="prefill lengths (default 512,8192; capped by the context)")
     bench.add_argument("-n", "--new-tokens", type=positive_int, default=128, help="decode steps (default 128)")
-    bench.add_argument("-b", "--batch-sizes", type=positive_int_list, default=[1, 2, 4, 8], help="default 1,2,4,8")
+    bench.add_argument("-b", "--batch-sizes", type=positive_int_list, default=[1, 2, 4, 8],
+                       help="decode batch sizes (default 1,2,4,8)")
     bench.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    bench.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
+    bench.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                       help="compute dtype (default auto: fp32 on the CPU, bf16 on CUDA)")
     _add_runner_flags(bench)
     bench.add_argument("--acceptance", type=probability,
                        help="with --spec: accept each draft with this probability (given the ones before it) instead "
