@@ -20,11 +20,11 @@ from ninfer.cli_types import (
     finite_float,
     int_at_least,
     int_between,
+    output_file,
     positive_int,
     positive_int_list,
     probability,
     token_ids,
-    writable_file,
 )
 from ninfer.config import MAX_DRAFT_TOKENS, SPEC_METHODS
 from ninfer.errors import NinferError
@@ -45,7 +45,8 @@ def _artifact_id(text: str) -> bytes:
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
     from ninfer.artifact.framing import DEFAULT_PART_CAP, PART_PAYLOAD_OFFSET
 
-    parser.add_argument("--out", required=True, type=writable_file, help="the .ninfer file to write")
+    parser.add_argument("--out", required=True, type=output_file,
+                        help="the .ninfer file to write (missing folders are made)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--artifact-id", type=_artifact_id,
                         help="fixed 16-byte artifact id (32 hex digits or a UUID): makes the output reproducible")
@@ -249,8 +250,10 @@ def _run(args: argparse.Namespace) -> int:
         from ninfer.eval.perplexity import kl_command, ppl_command
 
         return ppl_command(args) if args.command == "ppl" else kl_command(args)
-    if args.command in ("convert", "synth") and args.out.exists() and not args.force:
-        raise NinferError(f"{args.out} exists; pass --force to replace it")
+    if args.command in ("convert", "synth"):
+        if args.out.exists() and not args.force:
+            raise NinferError(f"{args.out} exists; pass --force to replace it")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.command == "convert":
         from ninfer.convert.checkpoint import convert_checkpoint
 

@@ -169,3 +169,21 @@ def writable_file(text: str) -> Path:
     if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"{path}: not writable (permission denied)")
     return path
+
+
+def output_file(text: str) -> Path:
+    """A file a command creates, with any missing folders on its way: the nearest existing folder above it must be
+    writable, and nothing on the way may be a file."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: is a directory; give a file name")
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{folder}: is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{folder}: folder not writable (permission denied)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{path}: not writable (permission denied)")
+    return path

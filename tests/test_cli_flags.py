@@ -56,7 +56,7 @@ BAD_FLAGS = [
     (["ppl", "{file}", "--text", "{dir}"], "argument --text: {dir}: is a directory, not a file"),
     (["kl", "{missing}", "{file}", "--text", "{file}"], "argument reference: {missing}: no such file"),
     (["convert", "--model", "{file}", "--recipe", "q4", "--out", "{dir}/m.ninfer"], "{file}: not a folder"),
-    (["convert", "--model", "{dir}", "--recipe", "q4", "--out", "{missing}/m.ninfer"], "{missing}: no such folder"),
+    (["convert", "--model", "{dir}", "--recipe", "q4", "--out", "{file}/m.ninfer"], "{file}: is a file, not a folder"),
     (["convert", "--model", "{dir}", "--recipe", "q4", "--tokenizer", "{missing}", "--out", "{dir}/m.ninfer"],
      "argument --tokenizer: {missing}: no such folder"),
     (["synth", "--preset", "tiny-dense", "--recipe", "q8", "--out", "{dir}/m.ninfer", "--part-size", "4096"],
