@@ -21,6 +21,7 @@ from ninfer import flags
 from ninfer.devices import synchronize
 from ninfer.engine.kv_cache import KVCache, SlotState
 from ninfer.engine.memory import MemoryPlan, logit_rows
+from ninfer.errors import NinferError
 from ninfer.model.qwen3_5_packed import STEP_TOKENS, PackedQwen35
 
 # decode graphs' batch sizes: a step of B sequences replays the graph of the smallest bucket ≥ B, whose padding
@@ -43,6 +44,8 @@ def decode_buckets(slots: int) -> list[int]:
 
 class GraphRunner:
     """A `PackedQwen35` and its pools behind the `Model` protocol (see the module docstring)."""
+
+    drafter = False
 
     def __init__(self, model: PackedQwen35, cache: KVCache, plan: MemoryPlan, *, graphs: bool = True):
         self.model = model
@@ -107,6 +110,10 @@ class GraphRunner:
 
     def accept(self, states: Sequence[SlotState], accepted: Sequence[int]) -> None:
         self.cache.accept(states, accepted)
+
+    def draft(self, states: Sequence[SlotState], ids: torch.Tensor, k: int) -> torch.Tensor:
+        """The packed model has no MTP drafter yet (`drafter` is False; the loader refuses `spec="mtp"` here)."""
+        raise NinferError("the fast path has no MTP drafter yet: use --runner reference with --spec mtp")
 
     def prefill(self, ids: torch.Tensor, state: SlotState, all_logits: bool = False) -> torch.Tensor:
         """Logits (fp32) of the last new position `[V]` (all new positions `[T, V]` with `all_logits`): a short

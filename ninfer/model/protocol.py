@@ -24,6 +24,7 @@ class Model(Protocol):
     max_batch: int | None  # the most sequences a decode step takes (None: no limit)
     page: int  # positions per unit of KV allocation (a sequence's capacity is rounded up to it)
     kv_capacity: int | None  # KV positions over all sequences (None: as many as memory allows)
+    drafter: bool  # sequences carry the MTP head's state, and `draft` proposes tokens
 
     def new_state(self, capacity: int) -> Any:
         """A fresh sequence of up to `capacity` positions."""
@@ -43,6 +44,10 @@ class Model(Protocol):
 
     def accept(self, states: Sequence[Any], accepted: Sequence[int]) -> None:
         """Keep the first `accepted[b]` (≥ 1) draft tokens of each sequence's last verify step."""
+
+    def draft(self, states: Sequence[Any], ids: torch.Tensor, k: int) -> torch.Tensor:
+        """K greedy draft tokens `[B, K]` after each sequence's next token `ids[b]` (sampled, not yet in its state),
+        from the MTP head chained on its own output; the states are left as they were."""
 
     def snapshot(self, state: Any) -> dict[tuple[str, int], Any]:
         """The sequence's whole state at its length, for prefix reuse (tensors, and model-held handles)."""
