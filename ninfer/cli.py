@@ -214,6 +214,10 @@ def _add_runner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-tokens", type=int_between(1, MAX_DRAFT_TOKENS),
                         help=f"drafts per round with --spec (1..{MAX_DRAFT_TOKENS}; default: chosen per round from "
                              "the measured acceptance and round cost)")
+    parser.add_argument("--lm-head-draft", action="store_true", default=None,
+                        help="with --spec: drafts take the argmax over the artifact's restricted proposal head (made "
+                             "by `ninfer draft-head`); verification still uses the whole head, so outputs never "
+                             "change")
 
 
 def _bench(args: argparse.Namespace) -> int:

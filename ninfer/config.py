@@ -116,10 +116,12 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding: `spec` (none; mtp: the artifact's MTP head drafts, the model verifies), `draft_tokens`
     (drafts per round, 1..MAX_DRAFT_TOKENS; None: chosen per round from the sequence's acceptance and the measured
-    round cost)."""
+    round cost), `lm_head_draft` (drafts take the argmax over the artifact's restricted proposal head, the rows of
+    the output head for its most frequent tokens; verification still uses the whole head)."""
 
     spec: str = "none"
     draft_tokens: int | None = None
+    lm_head_draft: bool = False
 
     def __post_init__(self) -> None:
         _choice("spec", self.spec, SPEC_METHODS)
@@ -128,6 +130,8 @@ class SpeculativeConfig:
             raise ConfigError(f"draft_tokens must be 1..{MAX_DRAFT_TOKENS}, not {self.draft_tokens}")
         if self.draft_tokens is not None and self.spec == "none":
             raise ConfigError("draft_tokens (--draft-tokens) needs spec='mtp' (--spec mtp)")
+        if self.lm_head_draft and self.spec == "none":
+            raise ConfigError("lm_head_draft (--lm-head-draft) needs spec='mtp' (--spec mtp)")
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,8 @@ def from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """The configuration of a `ninfer run | bench | serve` command line (the flags each command has), with
     `overrides` (e.g. the sequences a bench needs)."""
     names = ("device", "dtype", "runner", "verify_weights", "kv_dtype", "state_dtype", "max_context", "prefill_chunk",
-             "max_concurrency", "max_pending", "queue_timeout", "interleaved_prefill_chunk", "spec", "draft_tokens")
+             "max_concurrency", "max_pending", "queue_timeout", "interleaved_prefill_chunk", "spec", "draft_tokens",
+             "lm_head_draft")
     values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     capacity = getattr(args, "kv_capacity", None)
     if isinstance(capacity, int):  # "auto" and None: planned from the free memory

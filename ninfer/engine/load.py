@@ -48,13 +48,17 @@ def load_model(artifact: Artifact, engine: EngineConfig, device: torch.device, d
     if drafter and "mtp" not in artifact.components:
         raise NinferError(f"--spec mtp needs an MTP head, and {artifact.path.name} has no mtp component; "
                           "use --spec none")
+    if engine.speculative.lm_head_draft and "text/draft_head" not in {o.id for o in artifact.objects}:
+        raise NinferError(f"--lm-head-draft needs a proposal head, and {artifact.path.name} has none; add one with "
+                          "`ninfer draft-head`")
     if drafter and runner != "reference" and reason is None:
         raise NinferError("speculative decoding runs on the reference runner so far: add --runner reference")
     cache_config = engine.cache
     packed = runner != "reference" and reason is None
     context = context_of(config, engine, packed)
     if not packed:
-        model = Qwen35Model.from_artifact(artifact, device, dtype, drafter=drafter)
+        model = Qwen35Model.from_artifact(artifact, device, dtype, drafter=drafter,
+                                          draft_head=engine.speculative.lm_head_draft)
         model.kv_capacity = cache_config.kv_capacity or cache_config.sequences * context
         return model, context
     return load_packed(artifact, cache_config, context, device, dtype, graphs=graphs,

@@ -56,8 +56,10 @@ class Qwen35Model:
     page = 1  # a sequence's KV rows are allocated to its capacity exactly
 
     def __init__(self, config: TextConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, drafter: bool = False):
-        """`drafter`: every sequence also carries the MTP head's state, so that `draft` can propose tokens."""
+                 dtype: torch.dtype, drafter: bool = False, draft_head: bool = False):
+        """`drafter`: every sequence also carries the MTP head's state, so that `draft` can propose tokens;
+        `draft_head`: drafts take the argmax over the restricted proposal head (`draft_head`, rows of the output
+        head for the ids `draft_head_token_ids`) instead of the whole head."""
         self.config = config
         self.weights = weights
         self.device = device
@@ -66,11 +68,15 @@ class Qwen35Model:
         self.kv_capacity: int | None = None  # set by the loader: KV positions the engine may reserve in all
         if drafter and not self.has_mtp:
             raise ValueError("this artifact has no MTP head to draft with")
+        if draft_head and "draft_head" not in weights:
+            raise ValueError("this artifact has no draft head (text/draft_head): add one with `ninfer draft-head`")
         self.drafter = drafter
+        self.proposal = (weights["draft_head"], weights["draft_head_token_ids"].long()) if draft_head else None
 
     @classmethod
     def from_artifact(cls, artifact: Artifact, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32, drafter: bool = False) -> Qwen35Model:
+                      dtype: torch.dtype = torch.float32, drafter: bool = False,
+                      draft_head: bool = False) -> Qwen35Model:
         config = TextConfig.from_dict(artifact.components["text"]["config"])
         device = torch.device(device)
         weights = {}
@@ -79,8 +85,10 @@ class Qwen35Model:
                 continue
             name = obj.id.removeprefix("text/")  # the MTP head's weights keep their "mtp/" prefix
             tensor = artifact.tensor(obj.id, device)
-            weights[name] = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)
-        return cls(config, weights, device, dtype, drafter)
+            if tensor.is_floating_point():  # ids (the draft head's token ids) stay integers
+                tensor = tensor.to(torch.float32 if name.endswith(FP32_OBJECTS) else dtype)
+            weights[name] = tensor
+        return cls(config, weights, device, dtype, drafter, draft_head)
 
     def new_state(self, capacity: int) -> SequenceState:
         c = self.config
@@ -159,7 +167,7 @@ class Qwen35Model:
     def matrices(self) -> dict[str, tuple[int, int, int]]:
         """Name → (rows, columns, bytes as held) of every trunk weight matrix (speed accounting)."""
         return {name: (t.shape[0], t.shape[1], t.numel() * t.element_size()) for name, t in self.weights.items()
-                if t.dim() == 2 and not name.startswith("mtp/")}
+                if t.dim() == 2 and not name.startswith(("mtp/", "draft_head"))}
 
     # -- the forward pass ------------------------------------------------------------------------------------
 
@@ -208,7 +216,11 @@ class Qwen35Model:
             length = mtp.length
             for _ in range(k):
                 hidden = self.mtp_hidden(hidden, token, mtp)
-                token = (hidden @ self.head.T).argmax(-1)
+                if self.proposal is None:
+                    token = (hidden @ self.head.T).argmax(-1)
+                else:  # the restricted head's argmax, mapped back to its token id
+                    proposal, proposal_ids = self.proposal
+                    token = proposal_ids[(hidden @ proposal.T).argmax(-1)]
                 drafts.append(token)
             mtp.length = length
             rows.append(torch.cat(drafts))

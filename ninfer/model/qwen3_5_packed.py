@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     chunk_gated_delta_rule = None
 
 FP32_OBJECTS = ("gdn/a_log", "gdn/dt_bias")
+DRAFT_HEAD = "text/draft_head"  # `draft_head` and `draft_head_token_ids`: the drafter's restricted proposal head
 GDN_PROJECTIONS = ("query_key", "value_z", "a_b_projection")  # the GDN layer's matrices that read its input
 STEP_TOKENS = 16  # the most tokens a sequence appends in one `step` (short prompt piece or verify)
 MOE_TILE = 16 if flags.triton_interpreted() else 64  # (token, expert) pairs per tile of the grouped MoE prefill
@@ -60,7 +61,7 @@ def device_bytes(artifact: Artifact) -> int:
     vectors as stored."""
     total = 0
     for obj in artifact.objects:
-        if obj.kind == "tensor" and obj.component == "text":
+        if obj.kind == "tensor" and obj.component == "text" and not obj.id.startswith(DRAFT_HEAD):
             plain_matrix = not is_packed(obj.format) and len(obj.shape) == 2
             total += math.prod(obj.shape) * 2 if plain_matrix else obj.bytes
     return total
@@ -115,7 +116,8 @@ class PackedQwen35:
         device = cache.device
         scratch = Scratch(device, dtype)
         linears, vectors = {}, {}
-        objects = [o for o in artifact.objects if o.kind == "tensor" and o.component == "text"]
+        objects = [o for o in artifact.objects if o.kind == "tensor" and o.component == "text"
+                   and not o.id.startswith(DRAFT_HEAD)]  # the proposal head serves the drafter alone
         for obj in tqdm(objects, desc="loading weights", unit="object", disable=not progress):
             name = obj.id.removeprefix("text/")
             if len(obj.shape) == 2 and not name.endswith("gdn/convolution"):

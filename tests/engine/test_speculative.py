@@ -220,3 +220,33 @@ def test_configuration_and_errors(hf_checkpoint, tmp_path: Path) -> None:
     convert_checkpoint(folder, "bf16", no_mtp, quiet=True)
     with pytest.raises(NinferError, match="no mtp component"):
         LLM(no_mtp, runner="reference", spec="mtp")
+
+
+def test_a_restricted_proposal_head_changes_drafts_not_outputs(plain: LLM) -> None:
+    """Drafts over a proposal head of every token (in another order) are the whole head's; over a head without the
+    tokens greedy decoding picks, every draft is rejected, and the output is still plain greedy decoding's."""
+    from ninfer.model.qwen3_5 import Qwen35Model
+
+    model = plain.model
+    expected = plain.generate(PROMPTS[0], GREEDY, raw=True).token_ids
+    vocab = plain.tokenizer.vocab_size
+    everything = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    missing = torch.tensor(sorted(set(range(vocab)) - set(expected)))
+    full = Qwen35Model(model.config, model.weights, model.device, model.dtype, drafter=True)
+    for ids, all_rejected in ((everything, False), (missing, True)):
+        weights = {**model.weights, "draft_head": model.head[ids], "draft_head_token_ids": ids.int()}
+        restricted = Qwen35Model(model.config, weights, model.device, model.dtype, drafter=True, draft_head=True)
+        state, reference = restricted.new_state(64), full.new_state(64)
+        prompt = torch.tensor(plain.prompt_ids(PROMPTS[0], raw=True))
+        restricted.prefill(prompt, state)
+        full.prefill(prompt, reference)
+        drafts = restricted.draft([state], torch.tensor([expected[0]]), 4)
+        assert set(drafts.view(-1).tolist()) <= set(ids.tolist())
+        if not all_rejected:
+            assert drafts.tolist() == full.draft([reference], torch.tensor([expected[0]]), 4).tolist()
+        restricted.kv_capacity = model.kv_capacity
+        llm = LLM.__new__(LLM)
+        llm.__dict__.update(plain.__dict__, model=restricted)
+        got = _generate(llm, _engine(llm, 3), PROMPTS[0], GREEDY)
+        assert got.token_ids == expected
+        assert (got.stats.speculation.accepted == 0) == all_rejected
