@@ -1,8 +1,8 @@
-"""The `ninfer` command: run, bench, serve, convert, synth, inspect, verify, ppl, kl.
+"""The `ninfer` command: run, bench, serve, convert, synth, draft-head, inspect, verify, ppl, kl.
 
 Results go to stdout, progress and errors to stderr; an error is one line and a non-zero exit code
-(2 for bad input to convert / synth and bad flags, 1 for an unsound artifact). Every flag's range and every path
-is checked as the command line is parsed (`ninfer.cli_types`), before any work.
+(2 for bad input to convert / synth / draft-head and bad flags, 1 for an unsound artifact). Every flag's range and
+every path is checked as the command line is parsed (`ninfer.cli_types`), before any work.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--layers", type=positive_int, default=None,
                        help="keep only the first N decoder layers (a slice)")
     _add_output_flags(synth)
+    _add_draft_head_parser(commands)
 
     inspect = commands.add_parser("inspect", help="components, configs, objects and totals of an artifact")
     inspect.add_argument("file", type=existing_file)
@@ -97,6 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--quiet", action="store_true", help="no progress bars")
     verify.add_argument("--device", default="cpu", help="where to decode: cpu or cuda (default cpu)")
     return parser
+
+
+def _add_draft_head_parser(commands: argparse._SubParsersAction) -> None:
+    from ninfer.convert.draft_head import DRAFT_FORMATS
+
+    draft = commands.add_parser("draft-head", help="copy an artifact and add a restricted proposal head for MTP "
+                                                   "drafts: the output head's rows of the most frequent tokens")
+    draft.add_argument("model", type=existing_file, help="the .ninfer artifact to copy")
+    draft.add_argument("--calibration", required=True, type=existing_file,
+                       help="a UTF-8 text file (.txt, or .txt.xz) whose token frequencies choose the rows")
+    draft.add_argument("--rows", required=True, type=positive_int,
+                       help="rows of the draft head, at most the vocabulary (upstream's: 131072)")
+    draft.add_argument("--format", choices=list(DRAFT_FORMATS), default="q4",
+                       help="how the rows are stored: q4 (q4_g64_fp16, default, upstream's), q8, bf16, or head (the "
+                            "output head's own format, rows copied exactly)")
+    _add_output_flags(draft)
 
 
 def _add_run_parser(commands: argparse._SubParsersAction) -> None:
@@ -254,7 +271,7 @@ def _run(args: argparse.Namespace) -> int:
         from ninfer.eval.perplexity import kl_command, ppl_command
 
         return ppl_command(args) if args.command == "ppl" else kl_command(args)
-    if args.command in ("convert", "synth"):
+    if args.command in ("convert", "synth", "draft-head"):
         if args.out.exists() and not args.force:
             raise NinferError(f"{args.out} exists; pass --force to replace it")
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -273,6 +290,17 @@ def _run(args: argparse.Namespace) -> int:
                                 artifact_id=args.artifact_id, part_cap=args.part_size, quiet=args.quiet,
                                 layers=args.layers)
         _print_written(report)
+        return 0
+    if args.command == "draft-head":
+        from ninfer.convert.draft_head import add_draft_head
+
+        report = add_draft_head(args.model, args.calibration, args.rows, args.out, fmt=args.format,
+                                artifact_id=args.artifact_id, part_cap=args.part_size, device=args.device,
+                                quiet=args.quiet)
+        names = ", ".join(f["name"] for f in report["files"])
+        print(f"wrote {names}: {sum(f['bytes'] for f in report['files']):,d} bytes, draft head {report['rows']} rows "
+              f"{report['format']}, covering {100 * report['coverage']:.2f} % of the calibration's "
+              f"{report['calibration']['tokens']:,d} tokens, {report['seconds']:.1f} s")
         return 0
     from ninfer.artifact.inspect import format_summary, summarize, verify
     from ninfer.artifact.reader import Artifact

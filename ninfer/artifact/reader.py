@@ -182,18 +182,35 @@ class Artifact:
             raise ArtifactError(f"{self.path}: no object {object_id!r}")
         return obj
 
-    def raw(self, object_id: str) -> torch.Tensor:
-        """The object's stored bytes as a 1-D uint8 CPU tensor: a zero-copy view of the mapped file when the
-        object lies in one file, a copy when it spans parts."""
+    def raw(self, object_id: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The object's stored bytes [start, stop) (default: all) as a 1-D uint8 CPU tensor: a zero-copy view of
+        the mapped file when the range lies in one file, a copy when it spans parts."""
+        obj = self.object(object_id)
+        stop = obj.bytes if stop is None else stop
+        if not 0 <= start <= stop <= obj.bytes:
+            raise ValueError(f"byte range [{start}, {stop}) is outside object {object_id!r} ({obj.bytes} bytes)")
         pieces = [torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=offset)
-                  for buffer, offset, count in self._pieces(self.object(object_id))]
+                  for buffer, offset, count in self._pieces(obj, start, stop)]
         if not pieces:
             return torch.empty(0, dtype=torch.uint8)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
-    def _pieces(self, obj: ObjectEntry) -> Iterator[tuple[mmap.mmap, int, int]]:
-        """(mapped file, offset in it, byte count) of each file the object's bytes lie in, in order."""
-        begin, end = obj.offset, obj.offset + obj.bytes
+    def release(self, object_id: str, start: int = 0, stop: int | None = None) -> None:
+        """Let the kernel drop the mapped pages of the object's bytes [start, stop) (default: all) from this
+        process's memory; they are read from the file again if touched. For a stream that reads each byte once (a
+        copy of a large artifact), so that its resident memory stays bounded. Writes made through tensors that view
+        those pages are lost: only release what nobody writes."""
+        if not hasattr(mmap, "MADV_DONTNEED"):  # no such advice on this platform: the pages stay until unmapped
+            return
+        for buffer, offset, count in self._pieces(self.object(object_id), start, stop):
+            first = offset - offset % mmap.PAGESIZE
+            buffer.madvise(mmap.MADV_DONTNEED, first, offset + count - first)
+
+    def _pieces(self, obj: ObjectEntry, start: int = 0, stop: int | None = None
+                ) -> Iterator[tuple[mmap.mmap, int, int]]:
+        """(mapped file, offset in it, byte count) of each file that the object's bytes [start, stop) lie in, in
+        order."""
+        begin, end = obj.offset + start, obj.offset + (obj.bytes if stop is None else stop)
         for span in self._spans:
             lo, hi = max(begin, span.logical_start), min(end, span.logical_start + span.size)
             if lo < hi:

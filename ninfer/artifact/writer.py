@@ -95,10 +95,11 @@ def _split_payload(total: int, entry_capacity: int, part_capacity: int) -> list[
 
 
 def layout_directory(path: Path, objects: list[ObjectEntry], components: dict[str, Any],
-                     metadata: dict[str, Any], provenance: dict[str, Any],
-                     part_cap: int = DEFAULT_PART_CAP) -> tuple[Directory, bytes]:
+                     metadata: dict[str, Any], provenance: dict[str, Any], part_cap: int = DEFAULT_PART_CAP,
+                     extra: dict[str, Any] | None = None) -> tuple[Directory, bytes]:
     """The directory with its `files` split under `part_cap` bytes per file, and its JSON text (padded so
-    that the payload starts exactly where the files were sized for)."""
+    that the payload starts exactly where the files were sized for). `extra`: the optional root members
+    (`bindings`, `uses`), written verbatim."""
     cap = part_cap // PAYLOAD_ALIGN * PAYLOAD_ALIGN
     if cap <= PART_PAYLOAD_OFFSET:
         raise ArtifactError(f"part size cap {part_cap} is too small (needs more than {PART_PAYLOAD_OFFSET})")
@@ -111,7 +112,7 @@ def layout_directory(path: Path, objects: list[ObjectEntry], components: dict[st
                                 f"{start}-byte header and directory")
         sizes = _split_payload(total, entry_capacity, cap - PART_PAYLOAD_OFFSET)
         files = [FileEntry(None if i == 0 else part_name(path.name, i), size) for i, size in enumerate(sizes)]
-        directory = Directory(components, objects, files, metadata, provenance)
+        directory = Directory(components, objects, files, metadata, provenance, dict(extra or {}))
         text = directory.dumps().encode("utf-8")
         needed = payload_offset(len(text))
         if needed <= start:
@@ -136,13 +137,14 @@ class ArtifactWriter:
 
     def __init__(self, path: str | os.PathLike[str], objects: list[ObjectEntry], components: dict[str, Any],
                  metadata: dict[str, Any], provenance: dict[str, Any], artifact_id: bytes | None = None,
-                 part_cap: int = DEFAULT_PART_CAP):
+                 part_cap: int = DEFAULT_PART_CAP, extra: dict[str, Any] | None = None):
         self.path = Path(path)
         self.artifact_id = artifact_id or new_artifact_id()
         if len(self.artifact_id) != ID_BYTES:  # the header would silently pad or cut it
             raise ArtifactError(f"artifact id must be {ID_BYTES} bytes, not {len(self.artifact_id)}")
         objects = [replace(o, sha256=DIGEST_PLACEHOLDER) for o in objects]
-        self.directory, text = layout_directory(self.path, objects, components, metadata, provenance, part_cap)
+        self.directory, text = layout_directory(self.path, objects, components, metadata, provenance, part_cap,
+                                                extra)
         self._json_bytes = len(text)
         self._objects = {o.id: o for o in objects}
         self._hashes = {o.id: _ObjectHash() for o in objects}

@@ -68,8 +68,8 @@ class Qwen35Model:
         self.kv_capacity: int | None = None  # set by the loader: KV positions the engine may reserve in all
         if drafter and not self.has_mtp:
             raise ValueError("this artifact has no MTP head to draft with")
-        if draft_head and "draft_head" not in weights:
-            raise ValueError("this artifact has no draft head (text/draft_head): add one with `ninfer draft-head`")
+        if draft_head:
+            _check_draft_head(weights, config)
         self.drafter = drafter
         self.proposal = (weights["draft_head"], weights["draft_head_token_ids"].long()) if draft_head else None
 
@@ -365,6 +365,20 @@ class Qwen35Model:
             return swiglu_mlp(x, w["mlp/gate_up"], w["mlp/down"])
         return moe_mlp(x, w["moe/router_shared_gate"], w["moe/routed_gate_up"], w["moe/routed_down"],
                        w["moe/shared_gate_up"], w["moe/shared_down"], self.config.top_k)
+
+
+def _check_draft_head(weights: dict[str, torch.Tensor], config: TextConfig) -> None:
+    """The restricted proposal head's contract (docs/artifact-format.md): both objects, rows of the hidden width,
+    one unique id in [0, vocab) per row."""
+    if "draft_head" not in weights or "draft_head_token_ids" not in weights:
+        raise ValueError("this artifact has no whole draft head (text/draft_head and text/draft_head_token_ids): "
+                         "add one with `ninfer draft-head`")
+    rows, ids = weights["draft_head"], weights["draft_head_token_ids"]
+    if rows.dim() != 2 or rows.shape[1] != config.hidden or ids.shape != (rows.shape[0],):
+        raise ValueError(f"draft head of shape {list(rows.shape)} with {list(ids.shape)} ids does not fit hidden "
+                         f"size {config.hidden}")
+    if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= config.vocab:
+        raise ValueError(f"draft head token ids must be unique and in [0, {config.vocab})")
 
 
 def _recurrent_part(state: SequenceState) -> tuple:

@@ -250,3 +250,19 @@ def test_a_restricted_proposal_head_changes_drafts_not_outputs(plain: LLM) -> No
         got = _generate(llm, _engine(llm, 3), PROMPTS[0], GREEDY)
         assert got.token_ids == expected
         assert (got.stats.speculation.accepted == 0) == all_rejected
+
+
+def test_lm_head_draft_from_the_draft_head_command(plain: LLM, tmp_path: Path) -> None:
+    from ninfer.convert.draft_head import add_draft_head
+
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("import os\n\n\ndef main(argv):\n    return os.path.join(*argv)\n" * 20)
+    out = tmp_path / "drafting.ninfer"
+    add_draft_head(plain.path, calibration, 512, out, fmt="bf16", quiet=True)
+    llm = LLM(out, runner="reference", spec="mtp", draft_tokens=3, lm_head_draft=True)
+    assert llm.model.proposal[0].shape[0] == 512
+    got = llm.generate(PROMPTS[0], GREEDY, raw=True)
+    assert got.token_ids == plain.generate(PROMPTS[0], GREEDY, raw=True).token_ids
+    assert got.stats.speculation.rounds > 0
+    with pytest.raises(NinferError, match="has none; add one with `ninfer draft-head`"):
+        LLM(runner="reference", spec="mtp", lm_head_draft=True)
