@@ -40,6 +40,19 @@ from ninfer.model.qwen3_5 import Qwen35Model, _LayerWeights  # noqa: E402
 from ninfer.quant import codec_for  # noqa: E402
 
 MTP_WEIGHT = 0.3
+OPENING = 4  # ids at the start of an answer weighted by --opening-weight: `\n</think>\n\n` or the code fence
+GENERATION_CONFIG = "frontend/generation_config.json"
+
+
+def answer_weights(mask: torch.Tensor, opening: float) -> torch.Tensor:
+    """Loss weights of a window's ids: 0 off the answers, 1 on them, `opening` on each answer's first OPENING ids
+    (the close of the empty reasoning block and the code fence: they decide whether a chat answer has content,
+    and are a handful of ids among hundreds)."""
+    weights = mask.float()
+    starts = (mask[1:] & ~mask[:-1]).nonzero().view(-1) + 1
+    for start in starts.tolist():
+        weights[start : start + OPENING] *= opening
+    return weights
 
 
 def forward(model: Qwen35Model, ids: torch.Tensor, frozen: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +89,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--top-layers", type=int, default=1, help="decoder layers trained, from the top")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--opening-weight", type=float, default=8.0,
+                        help="loss weight of the first ids of each answer (see answer_weights)")
+    parser.add_argument("--temperature", type=float, default=0.6,
+                        help="the sampling temperature written into the output's generation_config.json (upstream "
+                             "NInfer's default and published profile: 0.6 with top-p 0.95, top-k 20)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -100,10 +118,11 @@ def main() -> None:
 
     def loss_of(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, mtp = forward(model, ids, frozen)
-        # sums over the counted targets (a window may hold none of an answer's ids: a long earlier turn)
-        main = F.cross_entropy(logits[:-1], ids[1:].masked_fill(~mask[1:], -100), ignore_index=-100, reduction="sum")
-        draft = F.cross_entropy(mtp, ids[2:].masked_fill(~mask[2:], -100), ignore_index=-100, reduction="sum")
-        return main / mask[1:].sum().clamp(min=1), draft / mask[2:].sum().clamp(min=1)
+        weights = answer_weights(mask, args.opening_weight)
+        main = (F.cross_entropy(logits[:-1], ids[1:], reduction="none") * weights[1:]).sum()
+        draft = (F.cross_entropy(mtp, ids[2:], reduction="none") * weights[2:]).sum()
+        # means over the counted targets (a window may hold none of an answer's ids: a long earlier turn)
+        return main / weights[1:].sum().clamp(min=1), draft / weights[2:].sum().clamp(min=1)
 
     history = []
     for step in range(args.steps):
@@ -131,27 +150,34 @@ def main() -> None:
         held = [loss_of(*map(torch.tensor, pack(chats["test"], length, random.Random(i))))[0] for i in range(16)]
     print(f"held-out chat answers: loss {sum(map(float, held)) / len(held):.3f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write(args.model, args.out, model, set(trained), {"steps": args.steps, "top_layers": args.top_layers,
-                                                      "history": history[-5:]})
+    write(args.model, args.out, model, set(trained) if args.steps else set(),
+          {"steps": args.steps, "top_layers": args.top_layers, "history": history[-5:]}, args.temperature)
     print(f"wrote {args.out} ({time.time() - started:.0f} s)", flush=True)
 
 
-def write(source: Path, out: Path, model: Qwen35Model, trained: set[str], log: dict) -> None:
-    """The source artifact with the trained tensors re-encoded in their formats; every other object's bytes as
-    they were."""
+def write(source: Path, out: Path, model: Qwen35Model, trained: set[str], log: dict, temperature: float) -> None:
+    """The source artifact with the trained tensors re-encoded in their formats and the generation config's
+    temperature set; every other object's bytes as they were."""
     with Artifact.open(source) as artifact:
         directory = artifact.directory
+        config = json.loads(bytes(artifact.raw(GENERATION_CONFIG).numpy()))
+        generation = (json.dumps({**config, "temperature": temperature}, indent=2) + "\n").encode()
         specs = []
         for obj in artifact.objects:
-            specs.append(ResourceSpec(obj.id, obj.bytes) if obj.kind != "tensor"
+            size = len(generation) if obj.id == GENERATION_CONFIG else obj.bytes
+            specs.append(ResourceSpec(obj.id, size) if obj.kind != "tensor"
                          else TensorSpec(obj.id, tuple(obj.shape), obj.format))
-        provenance = {**directory.provenance, "chat_stage": json.loads(json.dumps(log))}
+        provenance = dict(directory.provenance)
+        if log["steps"]:  # --steps 0 only rewrites the generation config: the stage that trained stays recorded
+            provenance["chat_stage"] = json.loads(json.dumps(log))
         with ArtifactWriter(out, plan_objects(specs), directory.components, directory.metadata, provenance,
                             artifact.artifact_id) as writer:
             for obj in artifact.objects:
                 name = obj.id.removeprefix("text/")
                 if obj.kind == "tensor" and name in trained:
                     writer.write(obj.id, codec_for(obj.format).encode(model.weights[name].detach()))
+                elif obj.id == GENERATION_CONFIG:
+                    writer.write(obj.id, generation)
                 else:
                     writer.write(obj.id, bytes(artifact.raw(obj.id).numpy()))
     update_sums(out.parent, hash_files(writer.final_paths, quiet=True))

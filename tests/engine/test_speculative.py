@@ -209,7 +209,7 @@ def test_configuration_and_errors(hf_checkpoint, tmp_path: Path) -> None:
     from ninfer.convert.checkpoint import convert_checkpoint
     from tests.fixtures.hf_checkpoints import CheckpointSpec
 
-    with pytest.raises(ConfigError, match="draft_tokens needs"):
+    with pytest.raises(ConfigError, match=r"needs spec=.mtp."):
         SpeculativeConfig("none", 3)
     with pytest.raises(ConfigError, match=r"1\.\.8"):
         SpeculativeConfig("mtp", 9)
