@@ -73,14 +73,16 @@ class DraftLength:
         cost(K) = measured seconds of a K-draft round (an exponential average over the engine's rounds; before
                   any is measured, plain step × (1 + K / 4))
     and 0 (a plain decode step) when no K beats a plain step's one token per step, or to measure a plain step (the
-    first choice, then one in REMEASURE_EVERY)."""
+    first FIRST_PLAIN_STEPS choices, then one in REMEASURE_EVERY)."""
 
     SMOOTHING = 0.2  # weight of a new measurement in the running averages
     REMEASURE_EVERY = 64  # choices between two plain steps taken to measure one
+    FIRST_PLAIN_STEPS = 3  # plain steps measured before the first round (the first one of a process runs cold)
 
     def __init__(self, most: int = MAX_DRAFT_TOKENS):
         self.most = most
         self.choices = 0
+        self.plain_steps = 0
         self.plain_seconds: float | None = None
         self.round_seconds: dict[int, float] = {}
 
@@ -89,7 +91,8 @@ class DraftLength:
         old = self.plain_seconds if k == 0 else self.round_seconds.get(k)
         new = seconds if old is None else old + self.SMOOTHING * (seconds - old)
         if k == 0:
-            self.plain_seconds = new
+            self.plain_steps += 1
+            self.plain_seconds = new if self.plain_steps > 1 else None  # the first, cold, is not kept
         else:
             self.round_seconds[k] = new
 
@@ -106,8 +109,8 @@ class DraftLength:
 
     def choose(self, stats: SpeculationStats) -> int:
         self.choices += 1
-        if self.plain_seconds is None or self.choices % self.REMEASURE_EVERY == 0:
-            return 0  # a plain step now and then keeps the unit that rounds are weighed against measured
+        if self.plain_steps < self.FIRST_PLAIN_STEPS or self.choices % self.REMEASURE_EVERY == 0:
+            return 0  # plain steps first and now and then: the unit rounds are weighed against, measured warm
         best, best_rate = 0, 1.0 / self.cost(0)
         expected, chain = 1.0, 1.0
         for k in range(1, self.most + 1):
