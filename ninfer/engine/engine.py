@@ -6,7 +6,9 @@ continuous batching with prefill pieces interleaved with decode steps, prefix re
         ...   # ReasoningDelta / ContentDelta / ToolCall as decided, then Finished(result)
 
 `step()` runs one scheduler step (`scheduler.plan_step`): the next prefill piece or one decode step of every
-running sequence, each with its own sampling parameters, all decode steps in one batched model call. A server runs
+running sequence, each with its own sampling parameters, all decode steps in one batched model call. With
+speculative decoding (`SpeculativeConfig`) a decoding sequence's step is a round instead (`speculative`: draft,
+verify, accept), rounds of one draft length batched together beside the plain steps of the others. A server runs
 `step()` on the engine's own thread (`start`); `LLM.stream` runs it in the caller's thread (`submit` + `step`).
 The engine holds at most `max_concurrency + max_pending` requests, running or waiting (more: QueueFullError at
 `submit`), and a request that waits longer than `queue_timeout` seconds gets QueueTimeoutError. Closing a request's
