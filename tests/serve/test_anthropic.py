@@ -56,6 +56,15 @@ def client(server: Loopback) -> anthropic.Anthropic:
     return server.anthropic_client(KEY)
 
 
+@pytest.fixture(scope="module")
+def reasoning_server(reasoning_engine: Engine) -> Iterator[Loopback]:
+    """As `server`, over the model that reasons (conftest's `reasoning_llm`)."""
+    loopback = Loopback(create_app(reasoning_engine, ServeConfig(model_id="served-id", model_aliases=(MODEL,),
+                                                                 api_key=KEY, max_body_bytes=BODY_LIMIT)))
+    yield loopback
+    loopback.stop()
+
+
 def prompt_length(usage: Any) -> int:
     """Anthropic's accounting: fresh input tokens plus those read from the cache make the whole prompt."""
     return usage.input_tokens + (usage.cache_read_input_tokens or 0)
@@ -91,8 +100,9 @@ def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_message_equals_single_sequence_llm_and_stream(client: anthropic.Anthropic, server: Loopback,
-                                                       llm: LLM) -> None:
+def test_message_equals_single_sequence_llm_and_stream(reasoning_server: Loopback, reasoning_llm: LLM) -> None:
+    server, llm = reasoning_server, reasoning_llm
+    client = server.anthropic_client(KEY)
     expected = greedy(llm, HELLO, 12)
     assert expected.reasoning and expected.finish_reason == "length"
     answer = client.messages.create(model=MODEL, max_tokens=12, messages=HELLO, **GREEDY)
@@ -135,7 +145,8 @@ def test_message_equals_single_sequence_llm_and_stream(client: anthropic.Anthrop
     assert final["usage"]["output_tokens"] == 12
 
 
-def test_thinking_on_and_off(client: anthropic.Anthropic, llm: LLM) -> None:
+def test_thinking_on_and_off(reasoning_server: Loopback, reasoning_llm: LLM) -> None:
+    client, llm = reasoning_server.anthropic_client(KEY), reasoning_llm
     expected = greedy(llm, HELLO, 16, thinking=False)
     assert expected.text and not expected.reasoning
     for options in ({"thinking": OFF, **GREEDY}, {"extra_body": {"thinking": OFF, "temperature": 0}}):

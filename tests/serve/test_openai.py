@@ -118,7 +118,10 @@ def test_stream_wire_format(server: Loopback) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"][0]["delta"] == {}
 
 
-def test_thinking_on_and_off(client: openai.OpenAI, server: Loopback, llm: LLM) -> None:
+def test_thinking_on_and_off(reasoning_engine: Engine, reasoning_llm: LLM) -> None:
+    """On the model that reasons (conftest's `reasoning_llm`): thinking on, its budget ends inside the reasoning."""
+    server, llm = Loopback(create_app(reasoning_engine, ServeConfig(model_id=MODEL))), reasoning_llm
+    client = server.openai_client("unused")
     on = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=6)
     assert on.choices[0].message.reasoning_content == greedy(llm, QUESTION, 6).reasoning != ""
     assert on.usage.completion_tokens_details.reasoning_tokens == 6  # still thinking when the budget ran out
@@ -137,12 +140,22 @@ def test_thinking_on_and_off(client: openai.OpenAI, server: Loopback, llm: LLM) 
     reasoning, content, _ = stream_text(client, messages=QUESTION, temperature=0, max_tokens=6,
                                         extra_body={"enable_thinking": False})
     assert (reasoning, content) == ("", expected.text)
-
     contradiction = httpx.post(f"{server.url}/v1/chat/completions", json={
         "model": MODEL, "messages": QUESTION, "enable_thinking": True,
         "chat_template_kwargs": {"enable_thinking": False}})
     assert contradiction.status_code == 400
     assert error_of(contradiction)["param"] == "chat_template_kwargs.enable_thinking"
+    server.stop()
+
+
+def test_the_embedded_model_closes_an_empty_reasoning_block(client: openai.OpenAI, llm: LLM) -> None:
+    """The embedded model, taught chats, answers with thinking on: no reasoning text, the content after it."""
+    on = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
+    expected = greedy(llm, QUESTION, 12)
+    assert on.choices[0].message.reasoning_content is None and expected.reasoning == ""
+    assert on.choices[0].message.content == expected.text != ""
+    closed = expected.token_ids.index(llm.tokenizer.think_end_id) + 1  # up to and including </think>
+    assert on.usage.completion_tokens_details.reasoning_tokens == closed
 
 
 def test_tools_round_trip(client: openai.OpenAI, server: Loopback, llm: LLM) -> None:

@@ -54,6 +54,15 @@ def client(server: Loopback) -> openai.OpenAI:
     return server.openai_client(KEY)
 
 
+@pytest.fixture(scope="module")
+def reasoning_server(reasoning_engine: Engine) -> Iterator[Loopback]:
+    """As `server`, over the model that reasons (conftest's `reasoning_llm`)."""
+    loopback = Loopback(create_app(reasoning_engine, ServeConfig(model_id=MODEL, api_key=KEY,
+                                                                 max_body_bytes=BODY_LIMIT)))
+    yield loopback
+    loopback.stop()
+
+
 def sse(url: str, body: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
     """(status, event payloads) of a streamed request read with httpx, asserting `event:` names match `type` and
     sequence numbers count from 0."""
@@ -91,7 +100,9 @@ def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_response_equals_single_sequence_llm_and_stream(client: openai.OpenAI, server: Loopback, llm: LLM) -> None:
+def test_response_equals_single_sequence_llm_and_stream(reasoning_server: Loopback, reasoning_llm: LLM) -> None:
+    server, llm = reasoning_server, reasoning_llm
+    client = server.openai_client(KEY)
     expected = greedy(llm, HELLO, 12)
     assert expected.reasoning and expected.finish_reason == "length"
     answer = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
@@ -133,7 +144,8 @@ def test_response_equals_single_sequence_llm_and_stream(client: openai.OpenAI, s
     assert without_ids(sdk_events[-1].response.output) == without_ids(answer.output)
 
 
-def test_reasoning_effort_turns_thinking_on_and_off(client: openai.OpenAI, llm: LLM) -> None:
+def test_reasoning_effort_turns_thinking_on_and_off(reasoning_server: Loopback, reasoning_llm: LLM) -> None:
+    client, llm = reasoning_server.openai_client(KEY), reasoning_llm
     expected = greedy(llm, HELLO, 16, thinking=False)
     assert expected.text and not expected.reasoning
     for effort in ("none", "minimal"):

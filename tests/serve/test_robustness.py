@@ -198,7 +198,7 @@ def test_parallel_streams_get_their_single_request_text(engine: Engine, server: 
     client = server.openai_client("unused", timeout=120)
     topics = ["the sea", "a cat", "Python lists", "the moon", "bread", "trains", "winter", "chess"]
     requests = [{"messages": [{"role": "user", "content": f"Tell me about {topic}."}], "temperature": 0,
-                 "max_tokens": 16, "extra_body": {"enable_thinking": index % 2 == 0}}
+                 "max_tokens": 40, "extra_body": {"enable_thinking": index % 2 == 0}}
                 for index, topic in enumerate(topics)]
 
     def single(request: dict[str, Any]) -> tuple[str, str]:
