@@ -85,3 +85,17 @@ def test_the_blocks_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     finally:
         server.stop()
         engine.close()
+
+
+def test_every_flag_of_run_serve_and_bench_is_in_the_readme() -> None:
+    import argparse
+
+    from ninfer.cli import build_parser
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("run", "serve", "bench"):  # each has a table of its flags
+        for action in commands.choices[name]._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert re.search(rf"(?<![\w-]){flag}(?![\w-])", text), f"ninfer {name} {flag} is not in the README"
