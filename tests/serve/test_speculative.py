@@ -12,7 +12,7 @@ import pytest
 from ninfer.engine import LLM
 from ninfer.serve.app import create_app
 from ninfer.serve.state import ServeConfig
-from tests.serve.support import Loopback
+from tests.serve.support import Loopback, wait_until
 
 MODEL = "test-model"
 PROMPT = [{"role": "user", "content": "Write a function to add two numbers."}]
@@ -49,5 +49,8 @@ def test_usage_and_log_carry_the_rounds(server: Loopback, llm: LLM) -> None:
         assert spec["accepted_tokens"] == sum(spec["accepted_per_position"]) <= spec["drafted_tokens"]
         if route == "/v1/chat/completions":
             assert response.json()["choices"][0]["message"]["content"] == expected.text
-    lines = [json.loads(line) for line in server.log_path.read_text().splitlines()]  # type: ignore[attr-defined]
-    assert len(lines) == 3 and all(line["speculative"]["rounds"] >= 1 for line in lines)
+    def lines() -> list[dict]:  # a request's line is written after its response ends
+        return [json.loads(line) for line in server.log_path.read_text().splitlines()]  # type: ignore[attr-defined]
+
+    wait_until(lambda: len(lines()) >= 3)
+    assert len(lines()) == 3 and all(line["speculative"]["rounds"] >= 1 for line in lines())
