@@ -107,12 +107,16 @@ def probability(text: str) -> float:
     return value
 
 
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}") from None
+
+
 def positive_int_list(text: str) -> list[int]:
     """Comma-separated positive integers, at least one."""
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    values = _int_list(text, "integers")
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
     return values
@@ -120,10 +124,7 @@ def positive_int_list(text: str) -> list[int]:
 
 def token_ids(text: str) -> list[int]:
     """Comma-separated token ids (integers >= 0), at least one."""
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    ids = _int_list(text, "token ids")
     if not ids:
         raise argparse.ArgumentTypeError("no token ids given")
     if min(ids) < 0:
@@ -161,14 +162,9 @@ def writable_file(text: str) -> Path:
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path}: is a directory; give a file name")
-    folder = path.parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{folder}: no such folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{folder}: folder not writable (permission denied)")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{path}: not writable (permission denied)")
-    return path
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path.parent}: no such folder")
+    return _writable(path, path.parent)
 
 
 def output_file(text: str) -> Path:
@@ -182,6 +178,11 @@ def output_file(text: str) -> Path:
         folder = folder.parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{folder}: is a file, not a folder")
+    return _writable(path, folder)
+
+
+def _writable(path: Path, folder: Path) -> Path:
+    """`path`, when `folder` (the existing folder it goes into) and the file itself, if it exists, are writable."""
     if not os.access(folder, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{folder}: folder not writable (permission denied)")
     if path.exists() and not os.access(path, os.W_OK):

@@ -38,7 +38,7 @@ from ninfer.engine import scheduler
 from ninfer.engine.output import OutputPipeline, sample_rows
 from ninfer.engine.prefix_cache import PrefixCache, Snapshot, default_prefix_cache_bytes
 from ninfer.engine.sequence import Finished, Request, Sequence
-from ninfer.engine.speculative import DraftLength, SpeculationStats, run_round, timed
+from ninfer.engine.speculative import DraftLength, SpeculationStats, run_round
 from ninfer.errors import NinferError
 from ninfer.kernels.sampling import BROKEN_LOGITS, NOTHING_SAMPLABLE
 from ninfer.sampling import SamplingError
@@ -73,7 +73,9 @@ class Engine:
         self.model = llm.model
         self.config = config = config or SchedulerConfig()
         self.speculative = speculative or SpeculativeConfig()
-        self._draft_length = DraftLength() if self.speculative.spec != "none" else None
+        self._speculating = self.speculative.spec != "none"
+        # chooses each round's draft length when none is fixed, from measured round and plain-step times
+        self._draft_length = DraftLength() if self._speculating and not self.speculative.draft_tokens else None
         slots = self.model.max_batch
         if slots is not None and config.max_concurrency > slots:
             raise NinferError(f"max_concurrency {config.max_concurrency} exceeds the model's {slots} sequence slots "
@@ -349,7 +351,7 @@ class Engine:
         it), the others in one decode step."""
         plain, rounds = [], {}
         for sequence in sequences:
-            k = self._round_length(sequence) if self._draft_length is not None else 0
+            k = self._round_length(sequence) if self._speculating else 0
             if k:
                 rounds.setdefault(k, []).append(sequence)
             else:
@@ -381,7 +383,7 @@ class Engine:
         try:
             started = time.perf_counter()
             logits = self.model.decode([s.state for s in sequences], tokens)
-            if self._draft_length is not None:  # the step is timed against the rounds
+            if self._draft_length is not None:  # the step is timed against the rounds: wait for its end
                 synchronize(self.llm.device)
             seconds = time.perf_counter() - started
         except Exception as exc:  # the batch failed: fail its requests, keep the engine
@@ -399,14 +401,17 @@ class Engine:
         tokens = torch.tensor([s.output.completion.token_ids[-1] for s in sequences], device=self.llm.device)
         rows = [s.output.sampling_inputs() for s in sequences]
         try:
-            results, seconds = timed(run_round, self.model, [s.state for s in sequences], tokens, k,
-                                     self.llm.tokenizer.vocab_size, rows)
+            started = time.perf_counter()  # run_round reads its results back: the device work is done after it
+            results = run_round(self.model, [s.state for s in sequences], tokens, k, self.llm.tokenizer.vocab_size,
+                                rows)
+            seconds = time.perf_counter() - started
         except Exception as exc:  # the batch failed: fail its requests, keep the engine
             for sequence in sequences:
                 sequence.send(exc)
                 self._release(sequence)
             return
-        self._draft_length.measured(k, seconds)
+        if self._draft_length is not None:
+            self._draft_length.measured(k, seconds)
         for sequence, (accepted, emitted, broken, empty) in zip(sequences, results, strict=True):
             sequence.output.completion.stats.speculation.record(k, accepted)
             if broken or empty:

@@ -16,7 +16,6 @@ draft position and the measured cost of rounds of each length against a plain de
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -141,10 +140,3 @@ def run_round(model, states: list, next_ids: torch.Tensor, k: int, vocab: int, r
         results.append((accepted, [*values[4 : 4 + accepted], token], bool(broken), bool(empty)))
     model.accept(states, [a + 1 for a, *_ in results])
     return results
-
-
-def timed(function, *args):
-    """(result, seconds) of a call whose result was read back to the host (so the device work is done)."""
-    started = time.perf_counter()
-    result = function(*args)
-    return result, time.perf_counter() - started
