@@ -5,8 +5,8 @@ step's head matmul reads N rows instead of the whole vocabulary; verification ke
 change, only acceptance does. Every object of the source is copied byte for byte, a chunk at a time from the mapped
 file (whose pages are released once copied), the calibration text is tokenized a piece at a time, and the head's
 chosen rows are gathered plane by plane and re-quantized a block of rows at a time. So memory stays bounded by the
-head's pages (plus a copy of its planes only when it spans two part files): 1.7 GB of peak RSS for a 27B-shaped
-artifact with 131,072 rows.
+head's pages (plus a copy of its planes only when it spans two part files); docs/performance.md gives the peak
+memory for a 27B-shaped artifact.
 """
 
 from __future__ import annotations
